@@ -1,0 +1,392 @@
+"""GPT-2, the same model as Hugging Face's GPT2LMHeadModel, written to be read and trained.
+
+References:
+1) OpenAI's GPT-2 release: https://github.com/openai/gpt-2/blob/master/src/model.py
+2) Hugging Face's implementation: transformers/models/gpt2/modeling_gpt2.py
+
+Weights load from the Hugging Face hub or a local directory (`GPT.from_pretrained`) and export back to the Hugging
+Face layout (`save_pretrained`), so lm-eval-harness, vLLM and transformers can use what we train.
+"""
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# activation_function values that mean the tanh approximation of GELU we implement
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257
+    padded_vocab_size: int = None  # rows of wte/lm_head, e.g. 50304 (a multiple of 64) for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the backend has it
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        rows = config.padded_vocab_size or config.vocab_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(rows, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """GPT-2 init in place: normal(0, 0.02) weights, the two residual projections per block scaled down by
+        1/sqrt(2 * n_layer), zero biases, unit LayerNorms. Deterministic for torch's RNG state; the padded vocabulary
+        rows are zero, so from the same RNG state a padded model gets (and trains) exactly the numbers of an unpadded
+        one. GPT(config) calls it; call it again after building on the meta device and to_empty()."""
+        # to_empty() after building on the meta device unties the two; tie them again before drawing anything
+        if self.lm_head.weight is not self.transformer.wte.weight:
+            self.lm_head.weight = self.transformer.wte.weight
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():  # the tied lm_head.weight is listed once, as transformer.wte.weight
+            if name == "transformer.wte.weight":
+                nn.init.normal_(p[:self.config.vocab_size], std=0.02)
+                nn.init.zeros_(p[self.config.vocab_size:])
+            elif name.endswith("c_proj.weight"):
+                nn.init.normal_(p, std=residual_std)
+            elif p.dim() == 2:  # Linear and Embedding weights
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith(".weight"):  # the only 1-D weights are LayerNorm gains
+                nn.init.ones_(p)
+            else:
+                nn.init.zeros_(p)
+
+    def num_params(self, non_embedding=True):
+        """Parameters of the model, counting the tied wte/lm_head once and the real vocabulary rows only (padding
+        is a speed trick, not part of the model). non_embedding=True leaves out the position embeddings (wpe);
+        the token embeddings stay in because they are also the output layer."""
+        n = sum(p.numel() for p in self.parameters())
+        n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len=None):
+        """Training (forward + backward) FLOPs per token, nanoGPT/PaLM convention (PaLM paper, appendix B):
+        6N + 12*L*H*Q*T with N = num_params(non_embedding=True), L layers, H heads, Q head size, T = seq_len
+        (default block_size) and attention counted over the full T x T square. About 0.86e9 for GPT-2 124M at
+        T=1024. Padded vocabulary rows are not counted (they are not model FLOPs)."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)
+        if logits.size(-1) != self.config.vocab_size:
+            logits = logits[..., :self.config.vocab_size]  # padded rows are never seen, by the loss or by the caller
+        loss = None
+        if targets is not None:
+            # the softmax over 50K logits loses too much in bf16: always take the loss in fp32
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Extend the LongTensor idx (B, T) by max_new_tokens sampled tokens. temperature 0 (or top_k=1) picks the
+        most likely token; the context is cropped to the last block_size tokens. Call model.eval() first."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be None or >= 1, got {top_k}")
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :].float()
+            if temperature == 0 or top_k == 1:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, padded_vocab_size=None):
+        """A GPT-2 in fp32 on the CPU from a hub id ("gpt2", "gpt2-xl", "openai-community/gpt2", any GPT-2 repo) or
+        a local directory with config.json and model.safetensors or pytorch_model.bin."""
+        config, state_dict = load_pretrained_state_dict(name_or_path)
+        config = dataclasses.replace(config, padded_vocab_size=padded_vocab_size)
+        with torch.device("meta"):  # no random init, no copies: the loaded tensors become the parameters
+            model = cls(config)
+        padding = model.transformer.wte.weight.size(0) - config.vocab_size
+        if padding:
+            state_dict["transformer.wte.weight"] = F.pad(state_dict["transformer.wte.weight"], (0, 0, 0, padding))
+        state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]
+        model.load_state_dict(state_dict, assign=True)
+        model.lm_head.weight = model.transformer.wte.weight  # assign=True made two Parameters of the one tensor
+        return model
+
+    def save_pretrained(self, save_directory, state_dict=None):
+        """Write config.json and model.safetensors in the layout transformers writes for GPT2LMHeadModel: padded rows
+        trimmed, Conv1D weights transposed back, lm_head left out (tied). `state_dict` (our key names, e.g. a full
+        state dict gathered from FSDP) replaces self.state_dict(). A model without biases is written with zero
+        biases, which compute the same function. Files appear complete or not at all."""
+        from safetensors.torch import save_file
+
+        cfg = self.config
+        state_dict = self.state_dict() if state_dict is None else state_dict
+        expected = _hf_shapes(cfg)
+        tensors, problems = {}, []
+        for name, tensor in state_dict.items():
+            if name == "lm_head.weight":
+                continue
+            if name not in expected:
+                problems.append(f"unexpected tensor {name}")
+                continue
+            tensor = tensor.detach().cpu()
+            if name == "transformer.wte.weight":
+                tensor = tensor[:cfg.vocab_size]
+            if name.endswith(CONV1D_WEIGHTS):
+                tensor = tensor.t()
+            if tuple(tensor.shape) != expected[name]:
+                problems.append(f"{name} has shape {tuple(tensor.shape)} in the file layout, expected {expected[name]}")
+            tensors[name] = tensor.contiguous()
+        dtype = tensors["transformer.wte.weight"].dtype if "transformer.wte.weight" in tensors else torch.float32
+        for name in expected.keys() - tensors.keys():
+            if not cfg.bias and name.endswith(".bias"):
+                tensors[name] = torch.zeros(expected[name], dtype=dtype)
+        problems += [f"missing tensor {name}" for name in sorted(expected.keys() - tensors.keys())]
+        if problems:
+            raise ValueError(f"save_pretrained({save_directory}): the state dict does not fit this model's config: "
+                             f"{_first_five(problems)}")
+        hf_config = {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.block_size,
+            "n_ctx": cfg.block_size,
+            "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_inner": None,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": cfg.layer_norm_eps,
+            "resid_pdrop": 0.0,  # we train without dropout
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": True,
+            "torch_dtype": str(dtype).removeprefix("torch."),
+        }
+        # GPT-2's <|endoftext|>; transformers would default to it even where the vocabulary has no such id
+        hf_config["bos_token_id"] = hf_config["eos_token_id"] = 50256 if cfg.vocab_size > 50256 else None
+        os.makedirs(save_directory, exist_ok=True)
+        weights_path = os.path.join(save_directory, "model.safetensors")
+        config_path = os.path.join(save_directory, "config.json")
+        save_file(tensors, weights_path + ".tmp", metadata={"format": "pt"})
+        os.replace(weights_path + ".tmp", weights_path)
+        with open(config_path + ".tmp", "w") as f:
+            json.dump(hf_config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(config_path + ".tmp", config_path)
+
+
+def _hf_shapes(config):
+    """Tensor name -> shape in the Hugging Face file (Conv1D layout) for a GPT-2 with biases and no padding."""
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
+    return {name: tuple(p.t().shape if name.endswith(CONV1D_WEIGHTS) else p.shape)
+            for name, p in model.state_dict().items() if name != "lm_head.weight"}
+
+
+def _model_directory(name_or_path):
+    """A local directory as is; anything else is a hub repo id, fetched (or found in the cache) by huggingface_hub."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path):
+        raise ValueError(f"{name_or_path}: a file; expected a model directory or a Hugging Face hub id")
+    from huggingface_hub import snapshot_download
+    try:
+        directory = snapshot_download(name_or_path,
+                                      allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
+        if not any(f.endswith(".safetensors") for f in os.listdir(directory)):  # older repos: only the pickle
+            directory = snapshot_download(name_or_path, allow_patterns=["pytorch_model.bin"])
+    except (OSError, ValueError) as e:  # not found, offline without a cached copy, invalid repo id
+        raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available from the Hugging Face "
+                                f"hub ({type(e).__name__}: {e})") from e
+    return directory
+
+
+def _read_config(path):
+    """GPTConfig from a Hugging Face GPT-2 config.json, refusing anything that would compute a different function."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: not a config (a JSON {type(hf).__name__}, expected an object)")
+    if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
+        raise ValueError(f"{path}: not a GPT-2 config (model_type {hf.get('model_type')!r}); only the GPT-2 "
+                         f"architecture is supported")
+    n_embd = hf.get("n_embd", 768)
+    problems = []
+    if hf.get("activation_function", "gelu_new") not in TANH_GELUS:
+        problems.append(f"activation_function {hf['activation_function']!r} (supported: {', '.join(TANH_GELUS)})")
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        problems.append(f"n_inner {hf['n_inner']} (supported: null or 4 * n_embd = {4 * n_embd})")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False):
+        problems.append("a non-standard attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx)")
+    if hf.get("add_cross_attention", False):
+        problems.append("cross-attention")
+    if problems:
+        raise ValueError(f"{path}: unsupported GPT-2 variant: {'; '.join(problems)}")
+    try:
+        return GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+                         vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
+                         n_head=hf.get("n_head", 12), n_embd=n_embd, layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _read_tensors(directory):
+    """(file name(s) for messages, {key: tensor}) from model.safetensors, its sharded index, or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    pickled = os.path.join(directory, "pytorch_model.bin")
+    if os.path.isfile(single):
+        paths = [single]
+    elif os.path.isfile(index):
+        try:
+            with open(index) as f:
+                paths = [os.path.join(directory, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
+    elif os.path.isfile(pickled):
+        paths = [pickled]
+    else:
+        raise FileNotFoundError(f"{directory}: no weights (model.safetensors, model.safetensors.index.json or "
+                                f"pytorch_model.bin)")
+    tensors = {}
+    for path in paths:
+        try:
+            if path == pickled:
+                tensors.update(torch.load(path, map_location="cpu", weights_only=True))
+            else:
+                tensors.update(load_file(path))
+        except Exception as e:  # whatever the parser says, the file is the problem: name it
+            raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
+    where = paths[0] if len(paths) == 1 else f"{index} ({len(paths)} shards)"
+    return where, tensors
+
+
+def load_pretrained_state_dict(name_or_path):
+    """(GPTConfig, state dict with our key names, fp32, unpadded) of a hub id or local Hugging Face GPT-2 directory.
+    Both key layouts found in real files are accepted (with or without the "transformer." prefix, with or without
+    the attn.bias / attn.masked_bias causal-mask buffers, lm_head.weight present or not); every tensor is checked."""
+    directory = _model_directory(name_or_path)
+    config = _read_config(os.path.join(directory, "config.json"))
+    where, tensors = _read_tensors(directory)
+    expected = _hf_shapes(config)
+    state_dict, found, problems = {}, set(), []
+    lm_head = tensors.pop("lm_head.weight", None)
+    for key, tensor in tensors.items():
+        name = key if key.startswith("transformer.") else "transformer." + key
+        if name.endswith((".attn.bias", ".attn.masked_bias")) and name not in expected:
+            continue  # causal-mask buffers of older transformers versions, not weights
+        found.add(name)
+        if name not in expected:
+            problems.append(f"unexpected tensor {key}")
+        elif tuple(tensor.shape) != expected[name]:
+            problems.append(f"{key} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+        else:
+            tensor = tensor.float()
+            state_dict[name] = (tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor).contiguous()
+    problems += [f"missing tensor {name}" for name in expected if name not in found]
+    wte = state_dict.get("transformer.wte.weight")
+    if lm_head is not None and wte is not None and not torch.equal(lm_head.float(), wte):
+        problems.append("lm_head.weight differs from wte.weight (untied output embeddings are not supported)")
+    if problems:
+        raise ValueError(f"{where}: does not match its config.json ({config.n_layer} layers, n_embd {config.n_embd}, "
+                         f"vocab {config.vocab_size}, context {config.block_size}): {_first_five(problems)}")
+    return config, state_dict
+
+
+def _first_five(problems):
+    return "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
