@@ -1,0 +1,961 @@
+"""Megatron-Core indexed datasets and GPT sampling in plain numpy, sample for sample.
+
+Data prepared for Megatron-LM or NeMo (`<prefix>.bin` + `<prefix>.idx`) trains here unchanged and ours trains there:
+this module writes the same files byte for byte and builds the same train/valid/test samples, in the same order, as
+megatron-core's GPTDataset and BlendedDataset (tests/ check it against megatron-core 0.16.1), with neither
+megatron-core, torch nor Megatron's C++ helper.
+
+The .idx file (little-endian, packed):
+    magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count S u64 | document count D u64
+    | sequence lengths i32[S] | byte offset of each sequence in .bin i64[S] | document boundaries i64[D]
+and the .bin file is the tokens themselves. D counts a leading 0, so the file holds D - 1 documents. A document is one
+sequence unless the data was prepared with sentence splitting; GPT sampling works on sequences only.
+
+How megatron-core samples one split of one prefix (GPTDataset):
+    1. `split` ("969,30,1") cuts the prefix's sequences into three contiguous ranges, one per split.
+    2. The range is repeated for as many epochs as the requested number of samples needs, and shuffled
+       (document index). If the last epoch would be used for less than 80% it is shuffled on its own and comes last.
+    3. The shuffled token stream is cut into samples of seq_length + 1 tokens that share one token with the next
+       sample (sample index), so tokens and labels (tokens shifted by one) both have seq_length tokens.
+    4. The samples are shuffled (shuffle index), the short last epoch again on its own.
+A blend of prefixes draws from each in proportion to its weight (BlendedDataset).
+
+Samples are dicts of int64 arrays {"tokens", "labels"}, equal to megatron-core's. Megatron also returns position ids
+and a loss mask; with its defaults (no EOD masking or position/attention resets, the last partial sample dropped),
+which is how this module always samples, those are arange(seq_length) and all ones, so they are left out.
+"""
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import time
+from array import array
+
+import numpy as np
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
+SPLITS = ("train", "valid", "test")
+CACHE_FORMAT = 1  # bump when the cached arrays or their key change meaning
+
+
+def optimal_dtype(vocab_size):
+    """Megatron's token dtype for a vocabulary size: uint16 below 65500 ids (GPT-2), else int32."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The .bin/.idx files
+
+
+class IndexedDataset:
+    """Memory-mapped reader of `<path_prefix>.bin` + `<path_prefix>.idx`; `ds[i]` is sequence i's tokens.
+
+    The returned arrays are read-only views into the memory map, which stays open as long as any of them lives.
+    """
+
+    def __init__(self, path_prefix):
+        self.path_prefix = str(path_prefix)
+        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else ""
+                raise FileNotFoundError(f"{path}: no such file{hint}")
+
+        idx_size = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            header = f.read(HEADER.size)
+        if not (header.startswith(INDEX_MAGIC) or INDEX_MAGIC.startswith(header)):  # a cut-off magic is truncation
+            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index: it starts with {header[:9]!r}, "
+                             f"not {INDEX_MAGIC!r}")
+        if len(header) < HEADER.size:
+            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
+        _, version, code, num_sequences, num_boundaries = HEADER.unpack(header)
+        if version != 1:
+            raise ValueError(f"{idx_path}: unsupported index version {version} (only version 1 exists)")
+        if code not in DTYPES:
+            raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
+        if num_boundaries < 1:
+            raise ValueError(f"{idx_path}: document count is 0; it must count at least the leading boundary 0")
+        expected = HEADER.size + 12 * num_sequences + 8 * num_boundaries
+        if idx_size < expected:
+            raise ValueError(f"{idx_path}: truncated: its header announces {num_sequences} sequences and "
+                             f"{num_boundaries - 1} documents, which take {expected} bytes, but the file has "
+                             f"{idx_size}")
+        if idx_size not in (expected, expected + num_sequences):  # + S: the per-sequence modes of multimodal data
+            raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries; the header's "
+                             f"counts ({num_sequences} sequences, {num_boundaries - 1} documents) do not fit the file")
+
+        self.dtype = np.dtype(DTYPES[code])
+        self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        offset = HEADER.size
+        self.sequence_lengths = np.frombuffer(self._index, "<i4", num_sequences, offset)
+        offset += 4 * num_sequences
+        self.sequence_pointers = np.frombuffer(self._index, "<i8", num_sequences, offset)
+        offset += 8 * num_sequences
+        self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, offset)
+        if self.document_indices[0] != 0 or self.document_indices[-1] != num_sequences:
+            raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} to "
+                             f"{self.document_indices[-1]}, not from 0 to the sequence count {num_sequences}")
+
+        bin_size = os.path.getsize(bin_path)
+        if bin_size % self.dtype.itemsize:
+            raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {self.dtype} tokens")
+        if num_sequences:
+            needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            if bin_size < needed:
+                raise ValueError(f"{bin_path}: {bin_size} bytes, shorter than the {needed} bytes its index "
+                                 f"{idx_path} says (a truncated .bin, or an index of another file)")
+        # numpy cannot map an empty file; an empty dataset has no tokens to map anyway
+        self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+
+    def __getstate__(self):  # DataLoader workers reopen the files instead of pickling the mapped tokens
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state):
+        self.__init__(state["path_prefix"])
+
+    def __len__(self):
+        return len(self.sequence_lengths)
+
+    def __getitem__(self, i):
+        return self.get(i)
+
+    def get(self, i, offset=0, length=None):
+        """`length` tokens (default: to the end) of sequence i, starting `offset` tokens into it."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} out of range: {self.path_prefix} has {len(self)} sequences")
+        start = int(self.sequence_pointers[i]) // self.dtype.itemsize + int(offset)
+        length = int(self.sequence_lengths[i]) - int(offset) if length is None else int(length)
+        return self._tokens[start:start + length]
+
+    @property
+    def num_documents(self):
+        return len(self.document_indices) - 1
+
+    @property
+    def num_tokens(self):
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+
+class IndexedDatasetBuilder:
+    """Writer of `<prefix>.bin` (tokens appended as documents are added) and `<prefix>.idx` (at `finalize`).
+
+    Output is byte-identical to megatron-core's IndexedDatasetBuilder. The .idx appears only when `finalize` has
+    written all of it, so an interrupted build leaves a .bin without an index, which no reader accepts.
+    """
+
+    def __init__(self, bin_path, dtype=np.uint16):
+        self.bin_path = str(bin_path)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"{self.bin_path}: dtype {self.dtype} has no Megatron dtype code; use one of "
+                             f"{sorted(str(np.dtype(d)) for d in DTYPES.values())}")
+        stale_index = self.bin_path[:-len(".bin")] + ".idx" if self.bin_path.endswith(".bin") else None
+        if stale_index and os.path.exists(stale_index):
+            os.remove(stale_index)  # it describes the tokens this builder is about to overwrite
+        self._bin = open(self.bin_path, "wb")
+        self.sequence_lengths = array("q")
+        self.document_indices = array("q", [0])
+
+    def add_document(self, tokens, lengths=None):
+        """Append one document: `tokens` (1-D integers), made of sequences of `lengths` tokens (default: one sequence
+        of all of them; an empty document adds no sequence, as Megatron's preprocess_data.py does)."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"{self.bin_path}: a document must be a 1-D token array, got shape {tokens.shape}")
+        if tokens.size and self.dtype.kind in "iu":
+            if tokens.dtype.kind not in "iub":
+                raise ValueError(f"{self.bin_path}: tokens must be integers, got {tokens.dtype}")
+            low, high = tokens.min(), tokens.max()
+            info = np.iinfo(self.dtype)
+            if low < info.min or high > info.max:
+                bad = low if low < info.min else high
+                raise ValueError(f"{self.bin_path}: token {bad} does not fit this dataset's dtype {self.dtype}")
+        if lengths is None:
+            lengths = [tokens.size] if tokens.size else []
+        else:
+            lengths = [int(n) for n in lengths]
+            if any(n < 0 for n in lengths) or sum(lengths) != tokens.size:
+                raise ValueError(f"{self.bin_path}: sequence lengths {lengths} do not add up to the document's "
+                                 f"{tokens.size} tokens")
+        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self.sequence_lengths.extend(lengths)
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def add_index(self, path_prefix):
+        """Append every document of the dataset at `path_prefix` (same dtype), as megatron's merge does."""
+        other = IndexedDataset(path_prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"{path_prefix}: dtype {other.dtype} differs from {self.bin_path}'s {self.dtype}")
+        offset = len(self.sequence_lengths)
+        self.sequence_lengths.frombytes(other.sequence_lengths.astype(np.int64).tobytes())
+        self.document_indices.frombytes((other.document_indices[1:] + offset).astype(np.int64).tobytes())
+        with open(other.path_prefix + ".bin", "rb") as f:
+            shutil.copyfileobj(f, self._bin)
+
+    def finalize(self, idx_path):
+        """Close the .bin and write the index to `idx_path`."""
+        self._bin.close()
+        lengths = np.frombuffer(self.sequence_lengths, dtype=np.int64)
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{self.bin_path}: a sequence of {lengths.max()} tokens does not fit the index's int32")
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        boundaries = np.frombuffer(self.document_indices, dtype=np.int64)
+        partial = f"{idx_path}.partial"
+        with open(partial, "wb") as f:
+            f.write(HEADER.pack(INDEX_MAGIC, 1, DTYPE_CODES[self.dtype], len(lengths), len(boundaries)))
+            f.write(lengths.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(boundaries.astype("<i8").tobytes())
+        os.replace(partial, idx_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Which prefixes, which weights, which part of each
+
+
+def resolve_blend(paths):
+    """(prefixes, weights or None) for a prefix, a glob, or a Megatron blend list like ["30", p0, "70", p1].
+
+    A glob means every `.bin`/`.idx` pair it matches, sorted and unweighted, as NeMo AutoModel reads
+    "processed_data_*_text_document*". A blend list of odd length, or whose even entries are not numbers, is a list
+    of prefixes; otherwise it alternates weight, prefix (megatron's get_blend_from_list)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = str(paths)
+        if not glob.has_magic(paths):
+            return [paths], None
+        matches = glob.glob(paths)
+        prefixes = sorted({m[:-4] for m in matches if m.endswith((".bin", ".idx"))})
+        if not prefixes:
+            raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files"
+                                    + (f" (it matches {len(matches)} other paths)" if matches else ""))
+        return prefixes, None
+    entries = [str(p) for p in paths]
+    if not entries:
+        raise ValueError("the blend list is empty")
+    if len(entries) % 2 == 1:
+        return [p.strip() for p in entries], None
+    raw_weights = entries[0::2]
+    numeric = []
+    for w in raw_weights:
+        try:
+            numeric.append(float(w))
+        except ValueError:
+            numeric.append(None)
+    if all(w is None for w in numeric):
+        return [p.strip() for p in entries], None
+    if any(w is None for w in numeric):
+        bad = raw_weights[numeric.index(None)]
+        raise ValueError(f"blend list {entries}: weight {bad!r} is not a number; a blend list alternates "
+                         f"weight, prefix (or lists only prefixes)")
+    if not all(math.isfinite(w) and w > 0 for w in numeric):
+        raise ValueError(f"blend list {entries}: weights must be positive finite numbers, got {raw_weights}")
+    return [p.strip() for p in entries[1::2]], numeric
+
+
+def normalize(weights):
+    """Weights divided by their sum in float64, as megatron normalizes (bit for bit)."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+def split_matrix(split):
+    """Megatron's [(start, end) or None] * 3 fractions of each prefix for train/valid/test, from e.g. "969,30,1"."""
+    if not isinstance(split, str):
+        raise ValueError(f"split must be a string like '969,30,1', got {split!r}")
+    numbers = re.findall(r"[.0-9]+", split)
+    separators = re.sub(r"[.0-9]+", "", split)
+    if not numbers or len(numbers) > 3 or separators.strip(" ,/:\t"):
+        raise ValueError(f"split {split!r}: expected up to three non-negative numbers like '969,30,1'")
+    try:
+        ratios = [float(n) for n in numbers] + [0.0] * (3 - len(numbers))
+    except ValueError:
+        raise ValueError(f"split {split!r}: {numbers} are not all numbers") from None
+    if sum(ratios) <= 0:
+        raise ValueError(f"split {split!r}: the ratios add up to 0")
+    bookends = [0]
+    for ratio in normalize(ratios):
+        bookends.append(bookends[-1] + ratio)
+    return [(a, b) if b > a else None for a, b in zip(bookends[:-1], bookends[1:])]
+
+
+def split_range(num_sequences, bookends):
+    """The [begin, end) sequence range that a split's (start, end) fractions cover (Python's round, half to even)."""
+    start, end = bookends
+    return int(round(start * float(num_sequences))), int(round(end * float(num_sequences)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPTDataset indices
+
+
+def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
+    """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) for sequences [begin, end).
+
+    `num_samples` None means one epoch; otherwise as many epochs as `num_samples` samples need (the result usually has
+    more samples, since whole epochs are built). Needs at least one token in the range.
+    """
+    extra = int(add_extra_token)
+    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
+    if tokens_per_epoch == 0:
+        raise ValueError(f"sequences [{begin}, {end}) hold no tokens to sample from")
+    if num_samples is None:
+        num_epochs = 1
+    else:
+        num_epochs = max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
+    separate_final_epoch = False
+    if num_epochs > 1:
+        samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+        samples_per_epoch = (tokens_per_epoch - extra) // seq_length
+        separate_final_epoch = num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
+
+    # one RandomState, drawn in this order: document shuffle(s), then sample shuffle(s)
+    rng = np.random.RandomState(seed)
+    sequences = np.arange(begin, end, dtype=np.int32)
+
+    def shuffled_epochs(count):
+        document_index = np.tile(sequences, count)
+        rng.shuffle(document_index)
+        return document_index
+
+    if separate_final_epoch:
+        document_index = np.concatenate([shuffled_epochs(num_epochs - 1), shuffled_epochs(1)])
+    else:
+        document_index = shuffled_epochs(num_epochs)
+
+    total_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
+    int32_fits = max(len(document_index), int(sequence_lengths.max())) <= np.iinfo(np.int32).max
+    range_lengths = np.array(sequence_lengths[begin:end], dtype=np.int32)  # an aligned copy gathers faster
+    sample_index = _sample_index(range_lengths[document_index - begin], seq_length, total_samples, extra,
+                                 np.int32 if int32_fits else np.int64)
+
+    shuffle_dtype = np.uint32 if total_samples < np.iinfo(np.uint32).max - 1 else np.int64
+
+    def shuffled_range(start, stop):
+        samples = np.arange(start, stop, dtype=shuffle_dtype)
+        rng.shuffle(samples)
+        return samples
+
+    if separate_final_epoch:
+        shuffle_index = np.concatenate([shuffled_range(0, samples_before_final_epoch),
+                                        shuffled_range(samples_before_final_epoch, total_samples)])
+    else:
+        shuffle_index = shuffled_range(0, total_samples)
+    return document_index, sample_index, shuffle_index
+
+
+def _sample_index(sizes, seq_length, num_samples, extra, dtype):
+    """Row k = (position in the document index, token offset in that sequence) where sample k starts, given the
+    `sizes` of the document index's sequences.
+
+    Megatron's C++ walks the documents sample by sample. Sample k starts at token k * seq_length of the shuffled
+    stream, and the walk leaves row k in the sequence holding the previous sample's last token, k * seq_length +
+    extra - 1: the last sequence starting at or before it (so empty sequences are stepped over, and a sample that ends
+    exactly at a sequence's end gives (that sequence, its length - extra)). Sequence j is that sequence from row
+    ceil((start_j - extra + 1) / seq_length) on, so row k's sequence is the number of sequences whose rows begin at
+    or before k, minus one: a running count.
+    """
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=starts[1:])
+    first_rows = starts + (seq_length - extra)
+    first_rows //= seq_length
+    sample_index = np.zeros((num_samples + 1, 2), dtype=dtype)
+    block = 1 << 18  # rows at a time: bounds the temporaries
+    for first in range(1, num_samples + 1, block):
+        last = min(first + block, num_samples + 1)
+        begun_before, begun_by_last = np.searchsorted(first_rows, [first, last])
+        sequence = np.cumsum(np.bincount(first_rows[begun_before:begun_by_last] - first, minlength=last - first))
+        sequence += begun_before - 1
+        offsets = np.arange(first, last, dtype=np.int64) * seq_length
+        offsets -= starts[sequence]
+        sample_index[first:last, 0] = sequence
+        sample_index[first:last, 1] = offsets
+    return sample_index
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# BlendedDataset indices
+
+# blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
+# handles at most SIDE_BY_SIDE_CELLS datasets x chunks, which keeps its arrays in the CPU cache
+CHUNK, WARM_UP, SIDE_BY_SIDE_CELLS = 512, 64, 1 << 17
+
+
+def blending_indices(weights, size=None):
+    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64).
+
+    With `size`: `size` draws where step s takes the dataset d maximising weights[d] * max(s, 1) - draws[d] (the
+    first on ties), in float64 exactly as megatron's C++ does. Without: `weights` are integer sample counts, which
+    are drawn exactly (a dataset drops out once used up), with weights = counts / sum(counts).
+
+    The greedy is sequential and 10M Python steps are too slow, so it runs in chunks of steps side by side, one numpy
+    operation advancing every chunk by a step. Each chunk starts from a guess of the draws before its first step:
+    weights * step rounded by largest remainder, WARM_UP steps earlier, then the greedy run up to the chunk (it
+    forgets where it started within a few dozen steps). A chunk whose start differs from where the chunk before it
+    really ended is run again from there, until none differs, so the result is exact whatever the guesses.
+    """
+    if size is None:
+        quotas = np.asarray(weights, dtype=np.int64)
+        size = int(quotas.sum())
+        weights = quotas / float(size)
+    else:
+        quotas = None
+        weights = np.asarray(weights, dtype=np.float64)
+    num_chunks = -(-size // CHUNK)
+    first_steps = np.arange(num_chunks, dtype=np.int64) * CHUNK
+    start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
+    guess_steps = first_steps[1:] - WARM_UP
+    guess = _largest_remainder(weights * (guess_steps - 1)[:, None], guess_steps)
+    if quotas is not None:
+        np.minimum(guess, quotas, out=guess)
+    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, WARM_UP)
+
+    dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
+    dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
+    end_draws = np.empty_like(start_draws)
+    todo = np.arange(num_chunks)
+    while todo.size:
+        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], CHUNK,
+                                  (dataset_index, dataset_sample_index, todo))
+        todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
+        start_draws[todo] = end_draws[todo - 1]
+    return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
+
+
+def _largest_remainder(ideal, totals):
+    """Integer rows near `ideal` that add up to `totals`: floors, plus one for the largest fractional parts."""
+    counts = np.floor(ideal).astype(np.int64)
+    missing = totals - counts.sum(axis=1)
+    rank = np.argsort(np.argsort(counts - ideal, axis=1, kind="stable"), axis=1, kind="stable")
+    return counts + (rank < missing[:, None])
+
+
+def _greedy(weights, quotas, first_steps, draws, steps, record=None):
+    """The draws after running the blending greedy for `steps` steps from each row of `draws` (the draws before
+    step `first_steps[row]`). With record = (dataset_index, dataset_sample_index, rows), step t of row i is written to
+    column t of row rows[i] of both."""
+    num_datasets = len(weights)
+    weight_column = weights[:, None]
+    quota_column = None if quotas is None else quotas[:, None]
+    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
+    end_draws = np.empty_like(draws)
+    per_group = max(1, SIDE_BY_SIDE_CELLS // num_datasets)  # keeps each operation's arrays in the CPU cache
+    for group_start in range(0, len(draws), per_group):
+        group = slice(group_start, group_start + per_group)
+        chunks = len(draws[group])
+        counts = np.ascontiguousarray(draws[group].T, dtype=np.float64)  # (datasets, chunks): reduce along rows
+        flat_counts = counts.reshape(-1)
+        columns = np.arange(chunks)
+        if record is not None:
+            rows = record[2][group]
+            in_place = rows[-1] - rows[0] + 1 == chunks  # consecutive rows: write straight into the output
+            picks = record[0][rows[0]:rows[-1] + 1] if in_place else np.empty((chunks, steps), np.int16)
+            samples = record[1][rows[0]:rows[-1] + 1] if in_place else np.empty((chunks, steps), np.int64)
+        step = np.empty(chunks)
+        error = np.empty((num_datasets, chunks))
+        largest = np.empty(chunks)
+        is_largest = np.empty((num_datasets, chunks), dtype=bool)
+        ranked = np.empty((num_datasets, chunks), dtype=np.int16)
+        for t in range(steps):
+            np.add(first_steps[group], t, out=step)
+            np.maximum(step, 1.0, out=step)
+            np.multiply(weight_column, step, out=error)
+            np.subtract(error, counts, out=error)
+            if quota_column is not None:
+                np.putmask(error, counts >= quota_column, -np.inf)
+            if num_datasets == 2:
+                pick = (error[1] > error[0]).astype(np.int64)
+            else:  # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+                np.max(error, axis=0, out=largest)
+                np.equal(error, largest, out=is_largest)
+                np.multiply(is_largest, first_on_ties, out=ranked)
+                pick = num_datasets - ranked.max(axis=0).astype(np.int64)
+            where = pick * chunks + columns
+            if record is not None:
+                picks[:, t] = pick
+                samples[:, t] = flat_counts[where]
+            flat_counts[where] += 1
+        if record is not None and not in_place:
+            record[0][rows], record[1][rows] = picks, samples
+        end_draws[group] = counts.T
+    return end_draws
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The on-disk index cache
+
+
+def _cached(cache_dir, name, key, build, write):
+    """The arrays `build()` returns, kept in `cache_dir` as `{hash}-{name}-{array}.npy` under a hash of `key`.
+
+    `key` holds everything that determines the arrays. A manifest, written last, records the key and a checksum of
+    each file; a cache whose manifest is missing or disagrees is rebuilt, never trusted. Every file is written
+    under a temporary name and renamed, so a reader sees whole files or none.
+    """
+    if cache_dir is None:
+        return build()
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    base = os.path.join(cache_dir, f"{digest}-{name}")
+    manifest_path = base + ".json"
+    if os.path.exists(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+            if manifest["key"] != key:
+                raise ValueError("its key differs")
+            for array_name, checksum in manifest["checksums"].items():
+                if _file_checksum(f"{base}-{array_name}.npy") != checksum:
+                    raise ValueError(f"{base}-{array_name}.npy has changed")
+            return {array_name: np.load(f"{base}-{array_name}.npy", mmap_mode="r")
+                    for array_name in manifest["checksums"]}
+        except Exception as error:  # whatever is wrong with it, a rebuild is the cure
+            _log(f"{manifest_path}: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
+    arrays = build()
+    if write:
+        os.makedirs(cache_dir, exist_ok=True)
+        checksums = {}
+        for array_name, values in arrays.items():
+            path = f"{base}-{array_name}.npy"
+            _write_atomically(path, lambda f, values=values: np.save(f, values))
+            checksums[array_name] = _file_checksum(path)
+        manifest = json.dumps({"key": key, "checksums": checksums}, indent=1)
+        _write_atomically(manifest_path, lambda f: f.write(manifest.encode()))
+    return arrays
+
+
+def _file_checksum(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:  # read, not mapped: checking a file does not grow the process's memory
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomically(path, write):
+    partial = f"{path}.partial{os.getpid()}"
+    with open(partial, "wb") as f:
+        write(f)
+    os.replace(partial, path)
+
+
+def _distributed():
+    """(rank, world size) of the initialized torch.distributed group, else (0, 1). Never imports torch itself:
+    a process that has not imported it has no process group."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _log(message):
+    if _distributed()[0] == 0:
+        print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Datasets
+
+
+class GPTDataset:
+    """megatron-core's GPTDataset over the sequences [begin, end) of one IndexedDataset.
+
+    `ds[i]` -> {"tokens", "labels"}: int64 arrays of seq_length. With `add_extra_token` (megatron's default) a sample
+    reads seq_length + 1 tokens and labels are tokens shifted by one. Without it a sample reads seq_length tokens and
+    the last label, which megatron pads and masks out of the loss, is -100 (ignored by the loss).
+    """
+
+    def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
+                 split="train", cache_dir=None, write_cache=True):
+        self.dataset, self.seq_length, self.extra = dataset, seq_length, int(add_extra_token)
+        lengths = dataset.sequence_lengths
+        key = {
+            "format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "sequences": [begin, end],
+            "lengths_sha256": hashlib.sha256(np.ascontiguousarray(lengths[begin:end]).view(np.uint8)).hexdigest(),
+            "longest_sequence": int(lengths.max()) if len(lengths) else 0,  # decides the sample index dtype
+            "num_samples": num_samples, "seq_length": seq_length, "seed": seed, "add_extra_token": bool(self.extra),
+        }
+
+        def build():
+            t0 = time.time()
+            document_index, sample_index, shuffle_index = gpt_indices(
+                lengths, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
+                add_extra_token=add_extra_token)
+            _log(f"{dataset.path_prefix}: {split} indices, {len(shuffle_index)} samples of {seq_length} tokens from "
+                 f"{len(document_index)} sequences, built in {time.time() - t0:.2f}s")
+            return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+        arrays = _cached(cache_dir, f"GPTDataset-{split}", key, build, write_cache)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def __len__(self):
+        return len(self.shuffle_index)
+
+    def __getitem__(self, i):
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        j = self.shuffle_index[i]
+        first, first_offset = self.sample_index[j]
+        last, last_offset = self.sample_index[j + 1]
+        get, documents = self.dataset.get, self.document_index
+        if first == last:
+            text = get(documents[first], first_offset, last_offset - first_offset + self.extra)
+        else:
+            pieces = [get(documents[first], first_offset)]
+            pieces += [get(documents[k]) for k in range(first + 1, last)]
+            pieces.append(get(documents[last], 0, last_offset + self.extra))
+            text = np.concatenate(pieces)
+        text = text.astype(np.int64)
+        if self.extra:
+            return {"tokens": text[:-1], "labels": text[1:]}
+        labels = np.empty_like(text)
+        labels[:-1], labels[-1] = text[1:], -100
+        return {"tokens": text, "labels": labels}
+
+
+class BlendedDataset:
+    """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`.
+
+    With `size`, `weights` (floats) are normalized (again, as megatron does) and `size` samples are drawn; without,
+    `weights` are integer counts, each drawn exactly."""
+
+    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, write_cache=True):
+        self.datasets = datasets
+        if size is not None:
+            weights = normalize(weights)
+        key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": list(weights),
+               "size": size}
+
+        def build():
+            t0 = time.time()
+            dataset_index, dataset_sample_index = blending_indices(weights, size)
+            _log(f"{split} blend of {len(datasets)} datasets, {len(dataset_index)} samples, built in "
+                 f"{time.time() - t0:.2f}s")
+            return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+        arrays = _cached(cache_dir, f"BlendedDataset-{split}", key, build, write_cache)
+        self.dataset_index = arrays["dataset_index"]
+        self.dataset_sample_index = arrays["dataset_sample_index"]
+        draws = sum((np.bincount(self.dataset_index[i:i + (1 << 20)], minlength=len(datasets))
+                     for i in range(0, len(self.dataset_index), 1 << 20)), np.zeros(len(datasets), np.int64))
+        for dataset, drawn in zip(datasets, draws):
+            if drawn > len(dataset):
+                raise ValueError(f"{dataset.dataset.path_prefix}: the {split} blend draws {drawn} samples from it, "
+                                 f"more than its {len(dataset)} (megatron-core raises IndexError here too)")
+
+    def __len__(self):
+        return len(self.dataset_index)
+
+    def __getitem__(self, i):
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        return self.datasets[self.dataset_index[i]][self.dataset_sample_index[i]]
+
+
+def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None):
+    """(train, valid, test) as megatron-core's BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...).build() makes
+    them; each is None when that split has no samples (a zero ratio in `split`, or nothing in it and no size asked).
+
+    paths: a prefix, a glob (its sorted prefixes, unweighted) or a Megatron blend list ["30", p0, "70", p1].
+    sizes: the number of samples wanted per split; None = one epoch of it. A split is built in whole epochs, so it
+      usually holds more. A weighted blend needs a size for every split with a non-zero ratio.
+    cache_dir: where the indices are kept between runs (None: built in memory every time). Under torch.distributed,
+      rank 0 builds and writes them while the other ranks wait, then they load them (or raise if rank 0 failed).
+    """
+    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
+        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    sizes = list(sizes)
+    if len(sizes) != 3 or not all(s is None or (isinstance(s, (int, np.integer)) and s >= 0) for s in sizes):
+        raise ValueError(f"sizes must be (n_train, n_valid, n_test), each a non-negative int or None; got {sizes}")
+    seq_length, seed, sizes = int(seq_length), int(seed), [None if s is None else int(s) for s in sizes]
+    prefixes, weights = resolve_blend(paths)
+    matrix = split_matrix(split)
+    datasets = [IndexedDataset(prefix) for prefix in prefixes]
+    if weights is not None:
+        missing = [SPLITS[i] for i in range(3) if matrix[i] is not None and sizes[i] is None]
+        if missing:
+            raise ValueError(f"a weighted blend needs a size for every split it builds; {missing} have None")
+        sizes = [0 if s is None else s for s in sizes]
+
+    def build(write_cache):
+        options = dict(seq_length=seq_length, seed=seed, cache_dir=cache_dir, write_cache=write_cache)
+        if weights is None and len(prefixes) == 1:
+            return [_gpt_split(datasets[0], matrix, i, sizes[i], split, **options) for i in range(3)]
+        if weights is not None:  # samples per dataset and split: blended (target), and built with 0.5% surplus
+            weights_once = normalize(weights)
+            targets = [[math.ceil(size * w) for size in sizes] for w in weights_once]
+            buffers = [[math.ceil(math.ceil(size * w) * (1 + 0.005)) for size in sizes] for w in weights_once]
+        result = []
+        for i in range(3):
+            if matrix[i] is None:
+                result.append(None)
+                continue
+            parts = [_gpt_split(ds, matrix, i, None if weights is None else buffers[d][i], split, **options)
+                     for d, ds in enumerate(datasets)]
+            if weights is not None:
+                blend_weights, blend_size = weights_once, sum(targets[d][i] for d in range(len(datasets)))
+            else:
+                blend_weights = [0 if part is None else len(part) for part in parts]
+                blend_size = None if sizes[i] is None else min(sizes[i], sum(blend_weights))
+                if sizes[i] is not None and blend_size < sizes[i]:
+                    _log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, "
+                         f"fewer than the {sizes[i]} asked")
+            if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
+                result.append(None)
+                continue
+            for ds, part in zip(datasets, parts):
+                if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
+                    raise ValueError(f"{ds.path_prefix}: its {SPLITS[i]} split ({split!r}) has no samples of "
+                                     f"{seq_length} tokens, so it cannot take part in the blend")
+            result.append(BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i],
+                                         cache_dir=cache_dir, write_cache=write_cache))
+        return result
+
+    rank, world_size = _distributed()
+    if cache_dir is None or world_size == 1:
+        return tuple(build(write_cache=True))
+    import torch.distributed as dist
+
+    # rank 0 builds and writes while the others wait; they learn whether it failed, so nobody waits forever
+    if rank == 0:
+        try:
+            result, failure = build(write_cache=True), None
+        except Exception as error:
+            result, failure = None, error
+        dist.broadcast_object_list([None if failure is None else f"{type(failure).__name__}: {failure}"], src=0)
+        if failure is not None:
+            raise failure
+    else:
+        failure = [None]
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise RuntimeError(f"rank 0 could not build the datasets: {failure[0]}")
+        result = build(write_cache=False)
+    return tuple(result)
+
+
+def _gpt_split(dataset, matrix, i, num_samples, split, **options):
+    """The GPTDataset of split i of one prefix, or None when the split is absent or yields no samples."""
+    if matrix[i] is None:
+        return None
+    begin, end = split_range(len(dataset), matrix[i])
+    tokens = int(dataset.sequence_lengths[begin:end].sum(dtype=np.int64))
+    if tokens == 0:
+        if num_samples:  # megatron-core loops forever here
+            raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split!r} of {len(dataset)} sequences: "
+                             f"[{begin}, {end})) has no tokens, but {num_samples} samples were asked of it")
+        return None
+    ds = GPTDataset(dataset, begin, end, num_samples=num_samples, split=SPLITS[i], **options)
+    return ds if len(ds) else None
+
+
+class SequentialSamples:
+    """Non-overlapping windows of a token stream, in order: item i = tokens [i*L, i*L + L), labels shifted by one."""
+
+    def __init__(self, pieces, seq_length, max_samples=None):
+        self.pieces = pieces  # [(IndexedDataset, sequence ids), ...] in stream order
+        self.seq_length = seq_length
+        self.piece_starts = []  # token offsets in the stream of each piece's sequences, plus its end
+        total = 0
+        for dataset, sequences in pieces:
+            starts = np.empty(len(sequences) + 1, dtype=np.int64)
+            starts[0] = total
+            np.cumsum(dataset.sequence_lengths[sequences], dtype=np.int64, out=starts[1:])
+            starts[1:] += total
+            total = int(starts[-1])
+            self.piece_starts.append(starts)
+        self.num_tokens = total
+        self.length = max(0, (total - 1) // seq_length)
+        if max_samples is not None:
+            self.length = min(self.length, max_samples)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        start, stop = i * self.seq_length, i * self.seq_length + self.seq_length + 1
+        parts = []
+        for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
+            if starts[-1] <= start or starts[0] >= stop:
+                continue
+            first = max(np.searchsorted(starts, start, side="right") - 1, 0)
+            last = min(np.searchsorted(starts, stop, side="left"), len(sequences))
+            for k in range(first, last):
+                begin = max(start - starts[k], 0)
+                parts.append(dataset.get(sequences[k], begin, min(stop, starts[k + 1]) - starts[k] - begin))
+        text = np.concatenate(parts).astype(np.int64)
+        return {"tokens": text[:-1], "labels": text[1:]}
+
+
+def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
+    """The validation view of one split: its sequences (prefix order, then sequence order; blend weights ignored)
+    as one stream cut into non-overlapping windows of seq_length + 1 tokens, in order (llm.c's validation).
+
+    None when the split has a zero ratio; a ValueError when it holds less than one window."""
+    if split_index not in (0, 1, 2):
+        raise ValueError(f"split_index must be 0 (train), 1 (valid) or 2 (test), got {split_index!r}")
+    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
+        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    if max_samples is not None and max_samples < 0:
+        raise ValueError(f"max_samples must be None or >= 0, got {max_samples!r}")
+    seq_length = int(seq_length)
+    prefixes, _ = resolve_blend(paths)
+    matrix = split_matrix(split)
+    if matrix[split_index] is None:
+        return None
+    pieces = []
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix)
+        begin, end = split_range(len(dataset), matrix[split_index])
+        pieces.append((dataset, np.arange(begin, end)))
+    samples = SequentialSamples(pieces, seq_length, max_samples)
+    if samples.num_tokens < seq_length + 1:
+        raise ValueError(f"{', '.join(prefixes)}: the {SPLITS[split_index]} split ({split!r}) holds "
+                         f"{samples.num_tokens} tokens, less than one window of seq_length + 1 = {seq_length + 1}")
+    return samples
+
+
+class PretrainingSampler:
+    """Micro-batches of dataset indices for one rank, in order, resumable (megatron's MegatronPretrainingSampler).
+
+    Global chunk k is [consumed + k*mbs*W, consumed + (k+1)*mbs*W) and rank r takes its r-th slice of mbs indices;
+    an incomplete last chunk is dropped. A step with gradient accumulation consumes mbs*W*accum samples, so
+    restarting from `consumed_samples`, on any world size, continues from the same global position.
+    Usable as a DataLoader batch_sampler.
+    """
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, rank, world_size):
+        if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need micro_batch_size >= 1 and 0 <= rank < world_size, got {micro_batch_size}, "
+                             f"{rank}, {world_size}")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, total_samples={total_samples}]")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+
+    def __len__(self):
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.world_size)
+
+    def __iter__(self):
+        global_batch = self.micro_batch_size * self.world_size
+        for k in range(len(self)):
+            first = self.consumed_samples + k * global_batch + self.rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command line: info and verify
+
+
+def info(paths):
+    """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
+    prefixes = _cli_prefixes(paths)
+    totals = np.zeros(3, dtype=np.int64)
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        lengths = ds.sequence_lengths
+        counts = np.array([ds.num_documents, len(ds), ds.num_tokens])
+        totals += counts
+        spread = (f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
+                  if len(lengths) else "")
+        print(f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens ({ds.dtype}); "
+              f".bin {os.path.getsize(prefix + '.bin'):,} bytes, .idx {os.path.getsize(prefix + '.idx'):,} bytes"
+              + spread)
+    if len(prefixes) > 1:
+        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} sequences, "
+              f"{totals[2]:,} tokens")
+
+
+def verify(paths, vocab_size=None):
+    """Check every prefix end to end: the index's internal consistency, the .bin's exact size, and every token
+    (below `vocab_size` when given). Returns the list of problems (empty if all is well)."""
+    from tqdm import tqdm
+
+    problems = []
+    for prefix in _cli_prefixes(paths):
+        problems_before = len(problems)
+        try:
+            ds = IndexedDataset(prefix)
+        except (ValueError, FileNotFoundError) as error:
+            problems.append(str(error))
+            continue
+        lengths, itemsize = ds.sequence_lengths.astype(np.int64), ds.dtype.itemsize
+        expected_pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1] * itemsize, out=expected_pointers[1:])
+        bad = np.flatnonzero(ds.sequence_pointers != expected_pointers)
+        if (lengths < 0).any():
+            problems.append(f"{prefix}.idx: negative sequence lengths at {np.flatnonzero(lengths < 0)[:5].tolist()}")
+        if bad.size:
+            problems.append(f"{prefix}.idx: {bad.size} sequence pointers are not the running sum of the lengths "
+                            f"(first at sequence {bad[0]})")
+        if (np.diff(ds.document_indices) < 0).any():
+            problems.append(f"{prefix}.idx: document boundaries decrease")
+        bin_size, expected_size = os.path.getsize(prefix + ".bin"), int(lengths.sum()) * itemsize
+        if bin_size != expected_size:
+            problems.append(f"{prefix}.bin: {bin_size} bytes, but its sequences take {expected_size}")
+        low, high, step = None, None, 1 << 26
+        tokens = ds._tokens
+        with tqdm(total=len(tokens), unit="tok", unit_scale=True, desc=os.path.basename(prefix), file=sys.stderr,
+                  disable=len(tokens) < 10 * step) as progress:
+            for start in range(0, len(tokens), step):
+                part = tokens[start:start + step]
+                low = part.min() if low is None else min(low, part.min())
+                high = part.max() if high is None else max(high, part.max())
+                progress.update(len(part))
+        if vocab_size is not None and high is not None and (high >= vocab_size or low < 0):
+            problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary [0, {vocab_size})")
+        status = "ok" if len(problems) == problems_before else "PROBLEMS"
+        print(f"{prefix}: {status}: {ds.num_documents:,} documents, "
+              f"{len(ds):,} sequences, {ds.num_tokens:,} tokens, ids in [{low}, {high}]")
+    return problems
+
+
+def _cli_prefixes(paths):
+    """Prefixes from the command line: one prefix or quoted glob, or the files an unquoted glob expanded to."""
+    if len(paths) == 1:
+        path = paths[0]
+        return resolve_blend(path[:-4] if path.endswith((".bin", ".idx")) else path)[0]
+    return sorted({p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="documents, sequences, tokens, dtype and sizes").add_argument(
+        "paths", metavar="PREFIX_OR_GLOB", nargs="+")
+    verify_parser = commands.add_parser("verify", help="check the index and read every token")
+    verify_parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
+    verify_parser.add_argument("--vocab-size", type=int, default=None, help="fail on token ids >= this")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            info(args.paths)
+            return 0
+        problems = verify(args.paths, args.vocab_size)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
