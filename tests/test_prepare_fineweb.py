@@ -1,0 +1,336 @@
+"""prepare_fineweb.py end to end, offline: a parquet fixture laid out as the hub's dataset cache, JSONL and text inputs,
+every document equal to tiktoken's gpt2 `encode_ordinary(text) + [50256]` in input order, outputs read by
+megatron-core's IndexedDataset and by indexed_dataset.py, the same bytes for any number of workers, a kill -9 mid-run
+resumed to the bytes of a clean run, and bad inputs named in clear errors."""
+import glob
+import gzip
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT
+import indexed_dataset
+import prepare_fineweb
+import tokenizer
+
+EOT = 50256
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+with open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8") as f:
+    SHAKESPEARE = f.read()
+SPECIAL_TEXTS = ["Hello world", " <|endoftext|> is ordinary text here <|endoftext|>",
+                 "naïve café 東京 🙂\n\n\t  x", " ", "\n", "x" * 20_000]
+
+
+@pytest.fixture(scope="module")
+def tiktoken_gpt2(tmp_path_factory):
+    """tiktoken's own get_encoding("gpt2"), offline: its download cache seeded with the shipped BPE files."""
+    cache = tmp_path_factory.mktemp("tiktoken_cache")
+    shutil.copy(os.path.join(tokenizer.BPE_DIR, "vocab.bpe"), cache / "6d1cbeee0f20b3d9449abfede4726ed8212e3aee")
+    shutil.copy(os.path.join(tokenizer.BPE_DIR, "encoder.json"), cache / "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+
+
+def shakespeare_documents(n, seed, max_chars=3000):
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(SHAKESPEARE) - max_chars) for _ in range(n)]
+    return [SHAKESPEARE[s:s + rng.randint(1, max_chars)] for s in starts]
+
+
+def write_parquet(path, texts, column="text", kind=pa.string(), row_group_size=40):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    table = pa.table({"id": pa.array(range(len(texts)), pa.int64()), column: pa.array(texts, kind)})
+    pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def hub_cache(root, files):
+    """A hub cache holding HuggingFaceFW/fineweb-edu at COMMIT, `files` = {path in the repository: (texts, rows per
+    row group)}."""
+    repo = os.path.join(root, "datasets--HuggingFaceFW--fineweb-edu")
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(COMMIT)
+    for name, (texts, row_group_size) in files.items():
+        write_parquet(os.path.join(repo, "snapshots", COMMIT, name), texts, row_group_size=row_group_size)
+    return root
+
+
+def read_megatron(prefix):
+    """Every document of the dataset at `prefix` as a token list, read by megatron-core's IndexedDataset."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    assert dataset.index.dtype == np.uint16
+    # one sequence per document
+    np.testing.assert_array_equal(dataset.document_indices, np.arange(len(dataset) + 1))
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def expected_tokens(encoding, texts):
+    return [encoding.encode_ordinary(text) + [EOT] for text in texts if text]
+
+
+def dataset_bytes(output_dir):
+    names = sorted(os.listdir(output_dir))
+    return {name: open(os.path.join(output_dir, name), "rb").read() for name in names if name != "summary.json"}
+
+
+def leftovers(output_dir):
+    return [name for name in os.listdir(output_dir) if name.startswith(".") or name.endswith(".tmp")]
+
+
+def run_cli(*args, timeout=180):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_hub_cache_end_to_end_offline(tmp_path, tiktoken_gpt2):
+    first = shakespeare_documents(150, seed=0) + [None] + SPECIAL_TEXTS + [""]
+    second = shakespeare_documents(90, seed=1)
+    cache = hub_cache(str(tmp_path / "hub"), {
+        "sample/10BT/000_00000.parquet": (first, 10),  # small row groups: the workers read them
+        "sample/10BT/001_00000.parquet": (second, 1000),  # one row group over 16 chunks: read in record batches
+        "sample/100BT/000_00000.parquet": (["another sample, never read"], 10),
+    })
+    # no --output-dir: the outputs go to {data_dir}/megatron_gpt2
+    run = run_cli("--data-dir", cache, "--workers", "2", "--chunk-bytes", "4096")
+    assert run.returncode == 0, run.stderr
+    output_dir = os.path.join(cache, "megatron_gpt2")
+    assert sorted(os.listdir(output_dir)) == [
+        "processed_data_0_text_document.bin", "processed_data_0_text_document.idx",
+        "processed_data_1_text_document.bin", "processed_data_1_text_document.idx", "summary.json"]
+    for index, texts in enumerate([first, second]):
+        prefix = prepare_fineweb.output_prefix(output_dir, index)
+        assert read_megatron(prefix) == expected_tokens(tiktoken_gpt2, texts)
+        ours = indexed_dataset.IndexedDataset(prefix)
+        assert [ours[i].tolist() for i in range(len(ours))] == expected_tokens(tiktoken_gpt2, texts)
+
+    with open(os.path.join(output_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["finished"] and summary["documents"] == 150 + len(SPECIAL_TEXTS) + 90
+    assert summary["empty_skipped"] == 2 and summary["invalid_utf8"] == 0
+    assert summary["tokens"] == sum(map(len, expected_tokens(tiktoken_gpt2, first + second)))
+    assert summary["output_bytes"] == 2 * summary["tokens"]
+    assert [entry["input_name"] for entry in summary["files"]] == ["000_00000.parquet", "001_00000.parquet"]
+    assert f"{summary['documents']:,} documents" in run.stdout
+    assert "docs/s" in run.stderr and "M tokens/s" in run.stderr and "B/s" in run.stderr  # the progress bar
+
+    # one worker and default chunks (every row group read by the worker) give the same bytes as two workers and tiny
+    # chunks
+    files = sorted(glob.glob(os.path.join(cache, "datasets--*", "snapshots", COMMIT, "sample", "10BT", "*")))
+    prepare_fineweb.prepare(files, str(tmp_path / "one_worker"), workers=1)
+    assert dataset_bytes(tmp_path / "one_worker") == dataset_bytes(output_dir)
+
+
+def test_offline_without_the_dataset_is_a_clear_error(tmp_path):
+    cache = hub_cache(str(tmp_path / "hub"), {"sample/10BT/000_00000.parquet": (["text"], 10)})
+    run = run_cli("--data-dir", cache, "--dataset", "fineweb", "--workers", "1")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert cache in run.stderr and "HuggingFaceFW/fineweb sample/10BT/*.parquet" in run.stderr
+
+
+def test_jsonl_gzip_and_text_inputs(tmp_path, tiktoken_gpt2):
+    records = [{"text": "first record", "id": 1}, {"text": None}, {"text": ""}, {"id": 4, "text": SPECIAL_TEXTS[1]},
+               {"text": "a lone \ud800 surrogate"}]  # escaped in JSON, so the line itself is valid UTF-8
+    records += [{"text": text} for text in shakespeare_documents(60, seed=2)]
+    lines = [json.dumps(record) for record in records]
+    with open(tmp_path / "a.jsonl", "w") as f:
+        f.write("\n".join(lines[:3]) + "\n\n" + "\n".join(lines[3:]) + "\n")  # a blank line between records
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps({"content": text}) + "\n" for text in SPECIAL_TEXTS))
+    with open(tmp_path / "c.txt", "w") as f:
+        f.write("Para one,\nline two.\n\n\n\nPara two  \n \t \nPara three\r\nends here\r\n\r\n<|endoftext|>\n")
+    text_documents = ["Para one,\nline two.", "Para two  ", "Para three\r\nends here", "<|endoftext|>"]
+
+    inputs = prepare_fineweb.find_inputs(str(tmp_path / "[ac].*"))
+    assert [os.path.basename(path) for path in inputs] == ["a.jsonl", "c.txt"]
+    summary = prepare_fineweb.prepare(inputs, str(tmp_path / "out"), workers=2, chunk_bytes=500)
+    assert read_megatron(str(tmp_path / "out" / "processed_data_0_text_document")) == expected_tokens(
+        tiktoken_gpt2, [record.get("text") for record in records])
+    assert read_megatron(str(tmp_path / "out" / "processed_data_1_text_document")) == expected_tokens(
+        tiktoken_gpt2, text_documents)
+    assert summary["empty_skipped"] == 2 and summary["documents"] == len(records) - 2 + len(text_documents)
+    assert summary["invalid_utf8"] == 1  # the surrogate, replaced as encode_ordinary replaces it
+
+    prepare_fineweb.prepare([str(tmp_path / "b.jsonl.gz")], str(tmp_path / "gz"), text_key="content", workers=1)
+    assert read_megatron(str(tmp_path / "gz" / "processed_data_0_text_document")) == expected_tokens(
+        tiktoken_gpt2, SPECIAL_TEXTS)
+
+
+def test_demo_shakespeare_command(tmp_path, tiktoken_gpt2):
+    output_dir = tmp_path / "shakespeare"
+    run = run_cli("--input", os.path.join("data", "tinyshakespeare.txt"), "--output-dir", str(output_dir))
+    assert run.returncode == 0, run.stderr
+    blocks = [block.strip("\n") for block in re.split(r"\n\s*\n", SHAKESPEARE) if block.strip()]
+    assert len(blocks) > 5000
+    assert read_megatron(str(output_dir / "processed_data_0_text_document")) == expected_tokens(tiktoken_gpt2, blocks)
+    assert not leftovers(output_dir)
+
+
+def test_parquet_row_groups_of_any_size(tmp_path, tiktoken_gpt2):
+    # small row groups go to the workers whole, a big one (over 16 chunks) is read in record batches here: in order
+    groups = [shakespeare_documents(n, seed=n, max_chars=chars) + [None]
+              for n, chars in ((2, 300), (3, 300), (300, 3000), (1, 300), (2, 300))]
+    path = str(tmp_path / "mixed.parquet")
+    with pq.ParquetWriter(path, pa.schema([("text", pa.large_string())])) as writer:
+        for texts in groups:
+            writer.write_table(pa.table({"text": pa.array(texts, pa.large_string())}))
+    assert pq.ParquetFile(path).metadata.num_row_groups == len(groups)
+    summary = prepare_fineweb.prepare([path], str(tmp_path / "out"), workers=2, chunk_bytes=4096)
+    texts = [text for texts in groups for text in texts]
+    assert read_megatron(str(tmp_path / "out" / "processed_data_0_text_document")) == expected_tokens(
+        tiktoken_gpt2, texts)
+    assert summary["empty_skipped"] == len(groups)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 50, 4096])
+def test_text_documents_do_not_depend_on_chunks(tmp_path, tiktoken_gpt2, chunk_bytes):
+    rng = random.Random(chunk_bytes)
+    blocks = [block for block in re.split(r"\n\s*\n", SHAKESPEARE[:30_000]) if block.strip()]
+    separators = ["\n\n", "\n\n\n\n", "\n \t\n", "\r\n\r\n", "\n\r\n  \n\n"]
+    text = "".join(block + rng.choice(separators) for block in blocks) + "last document, no final newline"
+    with open(tmp_path / "t.txt", "w", newline="") as f:
+        f.write(text)
+    documents = [block.rstrip("\r\n") for block in re.split(r"\n(?:[ \t\r]*\n)+", text) if block.strip()]
+    assert len(documents) == len(blocks) + 1
+    prepare_fineweb.prepare([str(tmp_path / "t.txt")], str(tmp_path / "out"), workers=2, chunk_bytes=chunk_bytes)
+    assert read_megatron(str(tmp_path / "out" / "processed_data_0_text_document")) == expected_tokens(
+        tiktoken_gpt2, documents)
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path, tiktoken_gpt2):
+    bad = b"caf\xe9 \xff\xfe ok"  # Latin-1 bytes: invalid UTF-8
+    with open(tmp_path / "a.txt", "wb") as f:
+        f.write(b"good line\n\n" + bad + b"\n\nmore good\n")
+    with open(tmp_path / "b.jsonl", "wb") as f:
+        f.write(b'{"text": "fine"}\n{"text": "' + bad + b'"}\n')
+    write_parquet(str(tmp_path / "c.parquet"), [b"fine", bad, None], kind=pa.binary())
+    summary = prepare_fineweb.prepare(prepare_fineweb.find_inputs(str(tmp_path / "*")), str(tmp_path / "out"),
+                                      workers=1)
+    replaced = bad.decode("utf-8", errors="replace")
+    assert "\ufffd" in replaced
+    expected = [["good line", replaced, "more good"], ["fine", replaced], ["fine", replaced]]
+    for index, texts in enumerate(expected):
+        prefix = prepare_fineweb.output_prefix(str(tmp_path / "out"), index)
+        assert read_megatron(prefix) == expected_tokens(tiktoken_gpt2, texts)
+    assert [entry["invalid_utf8"] for entry in summary["files"]] == [1, 1, 1]
+    assert summary["invalid_utf8"] == 3 and summary["empty_skipped"] == 1
+
+
+BAD_INPUTS = [
+    ("missing_column.parquet", None, r"missing_column\.parquet: no column 'text' \(columns: id, body\)"),
+    ("numbers.parquet", None, r"numbers\.parquet: column 'text' holds int64, not text"),
+    ("garbage.parquet", b"this is not parquet", r"garbage\.parquet: not a readable parquet file"),
+    ("no_key.jsonl", b'{"text": "ok"}\n{"text": "ok"}\n{"body": "x"}\n', r"no_key\.jsonl, line 3: no key 'text'"),
+    ("not_json.jsonl", b'{"text": "ok"}\n{"text": oops}\n', r"not_json\.jsonl, line 2: not valid JSON"),
+    ("number.jsonl", b'{"text": 7}\n', r"number\.jsonl, line 1: the 'text' value is int, not a string"),
+    ("broken.jsonl.gz", gzip.compress(b'{"text": "ok"}\n' * 1000)[:-40], r"broken\.jsonl\.gz: unreadable"),
+    ("table.csv", b"text\nhello\n", r"table\.csv: unsupported input type"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", [pytest.param(*case, id=case[0]) for case in BAD_INPUTS])
+def test_bad_input_names_the_file(tmp_path, name, content, message):
+    path = str(tmp_path / "in" / name)
+    os.makedirs(os.path.dirname(path))
+    if name == "missing_column.parquet":
+        write_parquet(path, ["a"], column="body")
+    elif name == "numbers.parquet":
+        pq.write_table(pa.table({"text": pa.array([1, 2], pa.int64())}), path)
+    else:
+        with open(path, "wb") as f:
+            f.write(content)
+    good = str(tmp_path / "in" / "0_good.txt")
+    with open(good, "w") as f:
+        f.write("a good file comes first\n")
+    with pytest.raises(ValueError, match=message):  # tiny chunks: line numbers are counted across chunks
+        prepare_fineweb.prepare(prepare_fineweb.find_inputs(str(tmp_path / "in" / "*")), str(tmp_path / "out"),
+                                workers=2, chunk_bytes=16)
+    # nothing half-written is left, under its final name or a temporary one
+    if os.path.isdir(tmp_path / "out"):
+        assert not [name for name in os.listdir(tmp_path / "out") if "processed_data_1" in name]
+        assert not leftovers(tmp_path / "out")
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    run = run_cli("--input", str(tmp_path / "nothing_*.parquet"), "--output-dir", str(tmp_path / "out"))
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "nothing_*.parquet' matches no file" in run.stderr
+    with open(tmp_path / "bad.jsonl", "w") as f:
+        f.write('{"text": "ok"}\n{"txt": "typo"}\n')
+    run = run_cli("--input", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out"), "--workers", "1")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "bad.jsonl, line 2: no key 'text' (keys: txt)" in run.stderr
+
+
+def test_rerun_keeps_finished_outputs_and_redoes_broken_ones(tmp_path):
+    inputs = []
+    for index in range(3):
+        inputs.append(str(tmp_path / f"{index}.parquet"))
+        write_parquet(inputs[-1], shakespeare_documents(30, seed=10 + index))
+    output_dir = str(tmp_path / "out")
+    prepare_fineweb.prepare(inputs, output_dir, workers=2)
+    clean = dataset_bytes(output_dir)
+    first_idx = os.path.join(output_dir, "processed_data_0_text_document.idx")
+    mtime = os.stat(first_idx).st_mtime_ns
+
+    with open(os.path.join(output_dir, "processed_data_1_text_document.bin"), "r+b") as f:
+        f.truncate(100)  # a damaged output
+    summary = prepare_fineweb.prepare(inputs, output_dir, workers=2)
+    assert [entry["kept"] for entry in summary["files"]] == [True, False, True]
+    assert os.stat(first_idx).st_mtime_ns == mtime
+    assert dataset_bytes(output_dir) == clean
+
+    write_parquet(inputs[2], shakespeare_documents(31, seed=99))  # a changed input is redone
+    summary = prepare_fineweb.prepare(inputs, output_dir, workers=2)
+    assert [entry["kept"] for entry in summary["files"]] == [True, True, False]
+    assert summary["files"][2]["documents"] == 31
+
+
+def test_kill_mid_run_then_rerun_gives_the_clean_bytes(tmp_path):
+    inputs = []
+    for index in range(3):
+        inputs.append(str(tmp_path / "in" / f"{index:03d}.parquet"))
+        write_parquet(inputs[-1], shakespeare_documents(1200, seed=20 + index), row_group_size=200)
+    clean_dir, output_dir = str(tmp_path / "clean"), str(tmp_path / "out")
+    prepare_fineweb.prepare(inputs, clean_dir, workers=2)
+
+    args = [sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), "--input", str(tmp_path / "in" / "*.parquet"),
+            "--output-dir", output_dir, "--workers", "1", "--chunk-bytes", "20000"]
+    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    in_progress = os.path.join(output_dir, ".processed_data_1_text_document.tmp.bin")
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(in_progress) and process.poll() is None and time.time() < deadline:
+            time.sleep(0.002)
+        assert process.poll() is None, "the run ended before it could be interrupted"
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        try:  # the orphaned pool worker, in the session started above
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    names = os.listdir(output_dir)
+    assert "processed_data_0_text_document.idx" in names and "processed_data_2_text_document.idx" not in names
+    assert leftovers(output_dir)
+
+    run = run_cli("--input", str(tmp_path / "in" / "*.parquet"), "--output-dir", output_dir, "--workers", "2")
+    assert run.returncode == 0, run.stderr
+    assert "processed_data_0_text_document: finished by an earlier run, kept" in run.stdout
+    assert dataset_bytes(output_dir) == dataset_bytes(clean_dir)
+    assert not leftovers(output_dir)
