@@ -1,0 +1,94 @@
+"""Sample text from a GPT-2: OpenAI's checkpoint, any HF GPT-2 directory, or a training run of train_gpt2.py.
+
+    python sample.py --model out --prompt "First Citizen:" --num-samples 3 --max-new-tokens 100 --top-k 200
+    python sample.py --model gpt2 --prompt "Hello, I'm a language model," --temperature 0.8
+
+--model is a hub name (gpt2), a directory with config.json + model.safetensors (e.g. out/hf), a training out_dir
+(its latest checkpoint) or one checkpoint directory under out_dir/ckpt/.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
+
+
+def load_model(name_or_path):
+    """A GPT in fp32 on the CPU from a hub name, an HF GPT-2 directory, or a training out_dir / checkpoint directory."""
+    from model import GPT
+
+    if os.path.isdir(name_or_path):
+        # what train_gpt2.py writes: out_dir/ckpt/step_N/ with train_state.json; anything else is read as HF GPT-2
+        if os.path.isdir(os.path.join(name_or_path, "ckpt")) or os.path.isfile(
+                os.path.join(name_or_path, "train_state.json")):
+            from train_gpt2 import model_from_checkpoint
+            return model_from_checkpoint(name_or_path)
+        return GPT.from_pretrained(name_or_path)
+    if os.path.exists(name_or_path):
+        raise ValueError(f"{name_or_path}: a file; expected a model directory, a training out_dir or a hub name")
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.endswith(os.sep):
+        raise FileNotFoundError(f"{name_or_path}: no such model directory")
+    return GPT.from_pretrained(name_or_path)
+
+
+@torch.no_grad()
+def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperature=1.0, top_k=None, seed=1337,
+                 device="cpu"):
+    """`num_samples` continuations of `prompt` (each returned with the prompt in front), reproducible for `seed`.
+
+    The global RNG state is restored afterwards, so sampling inside a training loop does not change the run.
+    An empty prompt starts from <|endoftext|>, as a document does in the training data.
+    """
+    if model.config.vocab_size != VOCAB_SIZE:
+        raise ValueError(f"the model's vocabulary has {model.config.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}: "
+                         f"its tokens cannot be decoded with the GPT-2 tokenizer")
+    enc = gpt2_encoding()
+    start = enc.encode_ordinary(prompt) or [EOT_ID]
+    device = torch.device(device)
+    idx = torch.tensor([start] * num_samples, dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+    model.train(was_training)
+    return [prompt + enc.decode(row[len(start):].tolist()) for row in out]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True,
+                        help="gpt2 (or another hub name), an HF GPT-2 directory, a training out_dir or checkpoint")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--num-samples", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="< 1 sharper, > 1 more random, 0 = always the likeliest token")
+    parser.add_argument("--top-k", type=int, default=200, help="sample only among the k likeliest tokens (0 = all)")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 1:
+        parser.error("--num-samples and --max-new-tokens must be at least 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    if args.top_k < 0:
+        parser.error("--top-k must be >= 0")
+
+    try:
+        model = load_model(args.model).to(args.device)
+        texts = sample_texts(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
+                             device=args.device)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        sys.exit(f"sample.py: error: {e}")
+    for i, text in enumerate(texts):
+        print(f"--- sample {i + 1}/{len(texts)} ---")
+        print(text)
+    return texts
+
+
+if __name__ == "__main__":
+    main()
