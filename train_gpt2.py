@@ -66,7 +66,7 @@ class TrainConfig:
     global_batch_size: int = 512
     local_batch_size: int = 16
     # AdamW, weight decay on 2-D parameters only; linear warmup, then cosine decay to min_lr at max_steps
-    max_steps: int = 19073  # about 10B tokens at 524,288 tokens per step
+    max_steps: int | None = 19073  # about 10B tokens at 524,288 tokens per step; None: one epoch of the train split
     lr: float = 6e-4
     min_lr: float = 0.0  # llm.c's GPT-2 runs decay to 0 (build-nanogpt to 0.1 x lr)
     lr_warmup_steps: int = 700
@@ -157,7 +157,7 @@ def check_config(cfg):
                     val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0, ckpt_keep=1,
                     dist_timeout_s=1)
     for key, low in at_least.items():
-        if getattr(cfg, key) < low:
+        if getattr(cfg, key) is not None and getattr(cfg, key) < low:
             raise ValueError(f"config: {key} must be >= {low}, got {getattr(cfg, key)}")
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"config: n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
@@ -498,11 +498,23 @@ def train(cfg, rank, world_size, device):
     resume_path = found[-1] if found else None
 
     # data: the train split in Megatron's shuffled order, the validation split in order
+    train_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
     train_data, _, _ = build_gpt_datasets(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed,
-                                          sizes=(cfg.max_steps * cfg.global_batch_size, 0, 0),
-                                          cache_dir=cfg.index_mapping_dir)
+                                          sizes=(train_samples, 0, 0), cache_dir=cfg.index_mapping_dir)
     if train_data is None:
         raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
+    # an unweighted glob is one epoch at most (as in Megatron and AutoModel): fail now, not at the step that runs out
+    epoch_steps = len(train_data) // cfg.global_batch_size
+    if cfg.max_steps is None:
+        if epoch_steps < 1:
+            raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than one "
+                             f"global batch of {cfg.global_batch_size}")
+        cfg.max_steps = epoch_steps
+        log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
+    elif len(train_data) < train_samples:
+        raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples of {cfg.seq_length} "
+                         f"tokens, fewer than max_steps x global_batch_size = {train_samples:,} (an unweighted glob "
+                         f"gives one epoch at most); set max_steps <= {epoch_steps:,}, or max_steps=None for one epoch")
     val_data = None
     if cfg.val_tokens:
         val_data = sequential_samples(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, split_index=1,

@@ -228,6 +228,8 @@ def test_paths_glob_and_blend_list(tmp_path):
     os.makedirs(tmp_path / "a_text_document" / "cache")  # megatron's default cache directory looks like a prefix
     assert resolve_blend(str(tmp_path / "*_text_document*")) == (
         [str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")], None)
+    assert resolve_blend(str(tmp_path / "*_text_document")) == (  # a glob of prefixes, as configs/ write it
+        [str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")], None)
     with pytest.raises(FileNotFoundError, match=r"nothing\*: the glob matches no \.bin/\.idx files"):
         resolve_blend(str(tmp_path / "nothing*"))
     assert resolve_blend(["30", " p0", "70", "p1 "]) == (["p0", "p1"], [30.0, 70.0])

@@ -353,7 +353,7 @@ def test_config_errors_name_the_key(tmp_path, data):
     cases = {
         "--max_step=3": r"unknown config key 'max_step'; did you mean 'max_steps'\?",
         "--warmup_steps=3": r"did you mean 'lr_warmup_steps'\?",
-        "--max_steps=1.5": r"max_steps must be int, got 1\.5",
+        "--max_steps=1.5": r"max_steps must be int or None, got 1\.5",
         "--compile=yes": r"compile must be bool, got 'yes'",
         "--hellaswag_limit=ten": r"hellaswag_limit must be int or None",
         "--seq_length=0": r"seq_length must be >= 1",
@@ -379,6 +379,27 @@ def test_config_errors_name_the_key(tmp_path, data):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "train_gpt2.py: error: command line --max_step=3: unknown config key 'max_step'; did you mean " \
            "'max_steps'?" in result.stderr
+
+
+def test_max_steps_none_trains_one_epoch_and_more_than_an_epoch_is_an_error(data, tmp_path):
+    # an unweighted glob is capped at one epoch (as in Megatron): asking for more must fail before training starts
+    from indexed_dataset import build_gpt_datasets
+    for i in range(2):  # two files, like prepare_fineweb.py's outputs (a glob of one file is not capped)
+        for ext in (".bin", ".idx"):
+            shutil.copy(data + ext, tmp_path / f"processed_data_{i}_text_document{ext}")
+    glob = str(tmp_path / "processed_data_*_text_document*")
+    train, _, _ = build_gpt_datasets(glob, seq_length=256, split="90,10,0", sizes=(None, 0, 0),
+                                     cache_dir=str(tmp_path / "index_cache"))
+    epoch_steps = len(train) // 512
+    assert epoch_steps >= 2
+    common = dict(data_paths=glob, seq_length=256, global_batch_size=512, local_batch_size=512, val_tokens=0,
+                  ckpt_every_steps=0, lr_warmup_steps=1, index_mapping_dir=str(tmp_path / "index_cache"))
+    train_gpt2.main(tiny(data, tmp_path / "epoch", max_steps=None, **common))
+    steps = [int(m.group(1)) for m in re.finditer(r"s:(\d+) trl:", (tmp_path / "epoch" / "main.log").read_text())]
+    assert steps == list(range(epoch_steps))
+    with pytest.raises(ValueError, match=rf"fewer than max_steps x global_batch_size = {(epoch_steps + 1) * 512:,}.*"
+                                         rf"set max_steps <= {epoch_steps:,}, or max_steps=None"):
+        train_gpt2.main(tiny(data, tmp_path / "too_long", max_steps=epoch_steps + 1, **common))
 
 
 def test_mfu_peak_table(monkeypatch):
