@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from indexed_dataset import PretrainingSampler, build_gpt_datasets, sequential_samples
 from model import GPT, GPTConfig
-from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
+from sample import sample_texts
+from tokenizer import VOCAB_SIZE
 
 # a checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -430,16 +431,6 @@ def validation_loss(model, val_data, batch_size, device, autocast, data_paths):
 
 
 @torch.no_grad()
-def sample_text(model, num_tokens, seed, device, autocast):
-    """`num_tokens` tokens sampled after <|endoftext|>, decoded; the RNG state of the run is left untouched."""
-    model.eval()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
-        torch.manual_seed(seed)
-        out = model.generate(torch.tensor([[EOT_ID]], device=device), num_tokens)
-    model.train()
-    return gpt2_encoding().decode(out[0, 1:].tolist())
-
-
 # -----------------------------------------------------------------------------
 # training
 
@@ -598,7 +589,8 @@ def train(cfg, rank, world_size, device):
                     f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
                     step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
             if sample_tokens and eval_step and step > 0:
-                text = sample_text(model, sample_tokens, cfg.seed + step, device, autocast)
+                with autocast:  # every rank samples: a sharded model's forward is collective
+                    text = sample_texts(model, "", max_new_tokens=sample_tokens, seed=cfg.seed + step, device=device)[0]
                 log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
             if last_step:
                 break
