@@ -21,6 +21,7 @@ import urllib.request
 import torch
 import torch.nn.functional as F
 
+from checkpoint import load_model
 from tokenizer import VOCAB_SIZE, gpt2_encoding
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -198,7 +199,6 @@ def main(argv=None):
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
 
-    from sample import load_model
     try:
         examples = load_examples(args.data)
         model = load_model(args.model).to(args.device)

@@ -7,30 +7,12 @@
 (its latest checkpoint) or one checkpoint directory under out_dir/ckpt/.
 """
 import argparse
-import os
 import sys
 
 import torch
 
+from checkpoint import load_model
 from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
-
-
-def load_model(name_or_path):
-    """A GPT in fp32 on the CPU from a hub name, an HF GPT-2 directory, or a training out_dir / checkpoint directory."""
-    from model import GPT
-
-    if os.path.isdir(name_or_path):
-        # what train_gpt2.py writes: out_dir/ckpt/step_N/ with train_state.json; anything else is read as HF GPT-2
-        if os.path.isdir(os.path.join(name_or_path, "ckpt")) or os.path.isfile(
-                os.path.join(name_or_path, "train_state.json")):
-            from train_gpt2 import model_from_checkpoint
-            return model_from_checkpoint(name_or_path)
-        return GPT.from_pretrained(name_or_path)
-    if os.path.exists(name_or_path):
-        raise ValueError(f"{name_or_path}: a file; expected a model directory, a training out_dir or a hub name")
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.endswith(os.sep):
-        raise FileNotFoundError(f"{name_or_path}: no such model directory")
-    return GPT.from_pretrained(name_or_path)
 
 
 @torch.no_grad()

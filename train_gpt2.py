@@ -20,8 +20,6 @@ import difflib
 import json
 import math
 import os
-import random
-import re
 import resource
 import shutil
 import signal
@@ -29,24 +27,21 @@ import sys
 import time
 import types
 import typing
-import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict)
 
+import hellaswag
+from checkpoint import (complete_checkpoints, is_run_or_checkpoint, load_checkpoint, load_weights, read_train_state,
+                        resolve_checkpoint, save_checkpoint)
+from distributed import barrier, broadcast_object, setup_distributed
 from indexed_dataset import PretrainingSampler, build_gpt_datasets, sequential_samples
 from model import GPT, GPTConfig
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
-
-# a checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass
@@ -178,134 +173,6 @@ def check_config(cfg):
 
 
 # -----------------------------------------------------------------------------
-# distributed helpers (all of them work without a process group too)
-
-def setup_distributed(cfg):
-    """(rank, world_size, device). Under torchrun a process group is created: NCCL on GPUs, gloo on CPU."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("config: device is 'cuda' but torch sees no CUDA GPU")
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
-    rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout_s),
-                            device_id=device if use_cuda else None)
-    return rank, world_size, device
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def broadcast_object(obj):
-    """Rank 0's `obj` on every rank."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: out_dir/ckpt/step_NNNNNNNN/ = DCP files of model + optimizer, train_state.json, rng.pt
-
-def complete_checkpoints(ckpt_root):
-    """Paths of the complete checkpoints under ckpt_root, oldest first."""
-    if not os.path.isdir(ckpt_root):
-        return []
-    found = []
-    for name in os.listdir(ckpt_root):
-        path = os.path.join(ckpt_root, name)
-        if re.fullmatch(r"step_\d{8}", name) and all(
-                os.path.isfile(os.path.join(path, f)) for f in (".metadata", "train_state.json", "rng.pt")):
-            found.append(path)
-    return sorted(found)
-
-
-def resolve_checkpoint(path):
-    """A checkpoint directory, or the newest complete checkpoint of a train_gpt2 out_dir."""
-    if os.path.isfile(os.path.join(path, "train_state.json")):
-        return path
-    found = complete_checkpoints(os.path.join(path, "ckpt"))
-    if not found:
-        raise FileNotFoundError(f"{path}: neither a checkpoint directory nor an out_dir with a complete checkpoint "
-                                f"under ckpt/")
-    return found[-1]
-
-
-def read_train_state(ckpt_path):
-    with open(os.path.join(ckpt_path, "train_state.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
-def save_checkpoint(ckpt_root, model, optimizer, train_state, keep, rank):
-    """Write a checkpoint into a temporary directory and publish it by renaming it, so that a checkpoint directory
-    always holds a complete checkpoint; then delete all but the newest `keep`. Collective: every rank calls it."""
-    final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
-    if os.path.isdir(final):  # this very state is already saved (a run resumed here and stopped at once)
-        return final
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    if rank == 0:  # dcp.save returns on rank 0 after every rank's files are written
-        rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                   cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-        with open(os.path.join(tmp, "rng.pt"), "wb") as f:
-            torch.save(rng, f)
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
-            json.dump(train_state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-        for old in complete_checkpoints(ckpt_root)[:-keep]:
-            shutil.rmtree(old)
-    barrier()
-    return final
-
-
-def load_checkpoint(ckpt_path, model, optimizer):
-    """Load model, optimizer and RNG states in place (resharding onto this run's ranks); return train_state.json."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=ckpt_path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all ranks
-    rng = torch.load(os.path.join(ckpt_path, "rng.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    return read_train_state(ckpt_path)
-
-
-def load_weights(ckpt_path, model):
-    """Load only the model weights of a checkpoint into `model` (plain or sharded, any number of ranks)."""
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=ckpt_path)
-    set_model_state_dict(model, state["model"])
-
-
-def model_from_checkpoint(path):
-    """A plain fp32 GPT on the CPU from a train_gpt2 out_dir (its newest complete checkpoint) or one checkpoint
-    directory, with the architecture stored in the checkpoint. Call it where no process group is initialised."""
-    ckpt_path = resolve_checkpoint(path)
-    model = GPT(GPTConfig(**read_train_state(ckpt_path)["model_config"]))
-    load_weights(ckpt_path, model)
-    return model
-
-
-# -----------------------------------------------------------------------------
 # model
 
 def starting_point(cfg, resume_path, rank):
@@ -325,8 +192,7 @@ def starting_point(cfg, resume_path, rank):
                 raise ValueError(f"{resume_path}: the checkpoint to resume from has {', '.join(differ)}; use the "
                                  f"checkpoint's architecture or another out_dir")
         return model_config, None, resume_path
-    if cfg.init_from is not None and (os.path.isfile(os.path.join(cfg.init_from, "train_state.json")) or
-                                      os.path.isdir(os.path.join(cfg.init_from, "ckpt"))):
+    if cfg.init_from is not None and is_run_or_checkpoint(cfg.init_from):
         ckpt_path = resolve_checkpoint(cfg.init_from)
         return GPTConfig(**read_train_state(ckpt_path)["model_config"]), None, ckpt_path
     if cfg.init_from is None:
@@ -430,7 +296,6 @@ def validation_loss(model, val_data, batch_size, device, autocast, data_paths):
     return (totals[0] / totals[1]).item()
 
 
-@torch.no_grad()
 # -----------------------------------------------------------------------------
 # training
 
@@ -451,29 +316,29 @@ class StopRequest:
             signal.signal(s, handler)
 
 
-def train(cfg, rank, world_size, device):
-    master = rank == 0
-    distributed = dist.is_initialized()
-    if cfg.global_batch_size % (cfg.local_batch_size * world_size):
-        raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
-                         f"{cfg.local_batch_size} x world size {world_size} = {cfg.local_batch_size * world_size}")
-    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
-    tokens_per_step = cfg.global_batch_size * cfg.seq_length
+class RunLog:
+    """On rank 0: a console line, a main.log line (llm.c's format, so llm.c's vislog reads it) and a metrics.jsonl
+    record (every metric); other ranks stay silent."""
 
-    def log(text, main_log=None, **metrics):
-        """Console line, main.log line (llm.c format) and metrics.jsonl record, on rank 0."""
-        if not master:
+    def __init__(self, out_dir, master):
+        self.out_dir, self.master = out_dir, master
+
+    def __call__(self, text, main_log=None, **metrics):
+        if not self.master:
             return
         if text:
             print(text, flush=True)
         if main_log:
-            with open(os.path.join(cfg.out_dir, "main.log"), "a") as f:
+            with open(os.path.join(self.out_dir, "main.log"), "a") as f:
                 f.write(main_log + "\n")
         if metrics:
-            with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "a") as f:
+            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(dict(metrics, time=time.time())) + "\n")
 
-    # out_dir: a temporary directory is what a write interrupted before its rename leaves; it is never resumed from
+
+def prepare_out_dir(cfg, master):
+    """Create out_dir/ckpt, write train_config.json, and return (ckpt_root, newest complete checkpoint or None).
+    A temporary checkpoint directory is what a write interrupted before its rename leaves; it is never resumed from."""
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
     if master:
         os.makedirs(ckpt_root, exist_ok=True)
@@ -486,9 +351,12 @@ def train(cfg, rank, world_size, device):
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
     barrier()
     found = complete_checkpoints(ckpt_root)
-    resume_path = found[-1] if found else None
+    return ckpt_root, (found[-1] if found else None)
 
-    # data: the train split in Megatron's shuffled order, the validation split in order
+
+def build_data(cfg, log, master):
+    """(train_data, val_data): the train split in Megatron's shuffled order, the validation split in order (or None).
+    max_steps None becomes one epoch of the train split."""
     train_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
     train_data, _, _ = build_gpt_datasets(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed,
                                           sizes=(train_samples, 0, 0), cache_dir=cfg.index_mapping_dir)
@@ -514,8 +382,120 @@ def train(cfg, rank, world_size, device):
             log(f"no validation: split {cfg.split!r} gives the validation split no share")
         elif master:
             print(f"validation: {len(val_data) * cfg.seq_length:,} tokens")
+    return train_data, val_data
 
-    # model and optimizer
+
+def build_optimizer(model, cfg, device):
+    """AdamW with weight decay on the 2-D parameters (matmul weights and embeddings) only, as GPT-2 recipes do."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device.type == "cuda")
+
+
+def resume(resume_path, model, optimizer, cfg):
+    """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run."""
+    if resume_path is None:
+        return 0, 0
+    train_state = load_checkpoint(resume_path, model, optimizer)
+    step, consumed_samples = train_state["step"], train_state["consumed_samples"]
+    if step > cfg.max_steps:
+        raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
+        group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    return step, consumed_samples
+
+
+def load_hellaswag(cfg, master):
+    """The HellaSwag examples (downloaded once, by rank 0, before the other ranks read the cached file), or None."""
+    if cfg.hellaswag is None:
+        return None
+    path = None if cfg.hellaswag == "download" else cfg.hellaswag
+    examples = hellaswag.load_examples(path) if master else None
+    barrier()
+    return examples if master else hellaswag.load_examples(path)
+
+
+def evaluate(model, step, cfg, ctx):
+    """Validation loss, HellaSwag and a sample at an evaluation step, before that step's update: s:0 is the model at
+    init, s:max_steps the final one. Every rank takes part: a sharded model's forward is collective."""
+    log = ctx.log
+    if ctx.val_data is not None:
+        t0 = time.perf_counter()
+        val_loss = validation_loss(model, ctx.val_data, cfg.local_batch_size, ctx.device, ctx.autocast,
+                                   cfg.data_paths)
+        log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
+            f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
+    if ctx.hellaswag_examples is not None and step > 0:
+        result = hellaswag.evaluate(model, ctx.hellaswag_examples, device=ctx.device, rank=ctx.rank,
+                                    world_size=ctx.world_size, autocast_dtype=ctx.autocast_dtype,
+                                    limit=cfg.hellaswag_limit)
+        log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
+            f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
+            step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
+    if ctx.sample_tokens and step > 0:
+        with ctx.autocast:
+            text = sample_texts(model, "", max_new_tokens=ctx.sample_tokens, seed=cfg.seed + step,
+                                device=ctx.device)[0]
+        log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
+
+
+def forward_backward(model, batches, ctx):
+    """Gradients of the mean loss over `batches` (one per micro-step) in the model; returns the summed loss."""
+    loss_sum = torch.zeros((), device=ctx.device)
+    for micro_step, (tokens, labels) in enumerate(batches):
+        if ctx.distributed:  # reduce-scatter gradients once per step, not once per micro-batch
+            model.set_requires_gradient_sync(micro_step == len(batches) - 1)
+        with ctx.autocast:
+            _, loss = model(tokens, labels)
+        (loss / len(batches)).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def step_stats(loss_sum, norm, stop, ctx, grad_accum_steps):
+    """(mean loss over every token of the step on every rank, grad norm, whether any rank was asked to stop)."""
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    stop_flag = torch.tensor(float(stop.signal is not None), device=ctx.device)
+    stats = torch.stack([loss_sum / grad_accum_steps, stop_flag])
+    if ctx.distributed:
+        dist.all_reduce(stats)
+    return stats[0].item() / ctx.world_size, norm.item(), stats[1].item() > 0
+
+
+def memory_in_use(device):
+    """(GiB, label): the CUDA allocator's peak, or the process's peak resident set size on the CPU (Linux: KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+
+
+def export_hf(model, cfg, master):
+    """The final weights for transformers (and everything else that reads Hugging Face GPT-2 directories)."""
+    t0 = time.perf_counter()
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    hf_dir = os.path.join(cfg.out_dir, "hf")
+    if master:
+        shutil.rmtree(hf_dir + ".tmp", ignore_errors=True)
+        model.save_pretrained(hf_dir + ".tmp", state_dict=full_state)
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        os.rename(hf_dir + ".tmp", hf_dir)
+        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
+    barrier()
+
+
+def setup(cfg, rank, world_size, device):
+    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation
+    inputs. Returns (model, optimizer, step, consumed_samples, ctx)."""
+    master = rank == 0
+    if cfg.global_batch_size % (cfg.local_batch_size * world_size):
+        raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
+                         f"{cfg.local_batch_size} x world size {world_size} = {cfg.local_batch_size * world_size}")
+    log = RunLog(cfg.out_dir, master)
+    ckpt_root, resume_path = prepare_out_dir(cfg, master)
+    train_data, val_data = build_data(cfg, log, master)
+    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     if master:
         print(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation {grad_accum_steps}; "
               + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
@@ -530,95 +510,56 @@ def train(cfg, rank, world_size, device):
     del source
     if weights_checkpoint is not None and resume_path is None:
         load_weights(weights_checkpoint, model)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device.type == "cuda")
+    optimizer = build_optimizer(model, cfg, device)
     # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
-    autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not distributed else None
-    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    step, consumed_samples = 0, 0
-    if resume_path:
-        train_state = load_checkpoint(resume_path, model, optimizer)
-        step, consumed_samples = train_state["step"], train_state["consumed_samples"]
-        if step > cfg.max_steps:
-            raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
-        for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
-            group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
-    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples, cfg.local_batch_size,
-                                      rank, world_size))
-    flops_per_token = model.flops_per_token(cfg.seq_length)
+    step, consumed_samples = resume(resume_path, model, optimizer, cfg)
     peak = peak_flops(device)
+    ctx = types.SimpleNamespace(
+        rank=rank, world_size=world_size, device=device, master=master, distributed=dist.is_initialized(), log=log,
+        ckpt_root=ckpt_root, model_config=model_config, train_data=train_data, val_data=val_data,
+        grad_accum_steps=grad_accum_steps, tokens_per_step=cfg.global_batch_size * cfg.seq_length,
+        autocast_dtype=autocast_dtype,
+        autocast=torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
+        flops_per_token=model.flops_per_token(cfg.seq_length), peak_flops=peak,
+        hellaswag_examples=load_hellaswag(cfg, master),
+        sample_tokens=cfg.sample_tokens if model_config.vocab_size == VOCAB_SIZE else 0)
     if master:
         print(f"model: {model.num_params(non_embedding=False):,} parameters ({model.num_params():,} non-embedding), "
-              f"{flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
+              f"{ctx.flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
               + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
-
-    hellaswag = hellaswag_examples = None
-    if cfg.hellaswag is not None:
-        import hellaswag
-        path = None if cfg.hellaswag == "download" else cfg.hellaswag
-        if master:  # downloads once before the other ranks read the cached file
-            hellaswag_examples = hellaswag.load_examples(path)
-        barrier()
-        if not master:
-            hellaswag_examples = hellaswag.load_examples(path)
-    sample_tokens = cfg.sample_tokens if model_config.vocab_size == VOCAB_SIZE else 0
-    if cfg.sample_tokens and not sample_tokens:
+    if cfg.sample_tokens and not ctx.sample_tokens:
         log(f"sample_tokens ignored: the vocabulary ({model_config.vocab_size} tokens) is not GPT-2's")
+    return model, optimizer, step, consumed_samples, ctx
 
+
+def train(cfg, rank, world_size, device):
+    model, optimizer, step, consumed_samples, ctx = setup(cfg, rank, world_size, device)
+    log, vocab_size = ctx.log, ctx.model_config.vocab_size
+    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples, cfg.local_batch_size,
+                                      rank, world_size))
     stop = StopRequest()
     try:
         for step in range(step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
-            eval_step = step % cfg.val_every_steps == 0 or last_step
-            # evaluation happens before this step's update: s:0 is the model at init, s:max_steps the final one
-            if val_data is not None and eval_step:
-                t0 = time.perf_counter()
-                val_loss = validation_loss(model, val_data, cfg.local_batch_size, device, autocast, cfg.data_paths)
-                log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
-                    f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
-            if hellaswag_examples is not None and eval_step and step > 0:
-                result = hellaswag.evaluate(model, hellaswag_examples, device=device, rank=rank, world_size=world_size,
-                                            autocast_dtype=autocast_dtype, limit=cfg.hellaswag_limit)
-                log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
-                    f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
-                    step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
-            if sample_tokens and eval_step and step > 0:
-                with autocast:  # every rank samples: a sharded model's forward is collective
-                    text = sample_texts(model, "", max_new_tokens=sample_tokens, seed=cfg.seed + step, device=device)[0]
-                log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
+            if step % cfg.val_every_steps == 0 or last_step:
+                evaluate(model, step, cfg, ctx)
             if last_step:
                 break
 
             # one optimizer step over global_batch_size sequences
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
-            loss_sum = torch.zeros((), device=device)
-            for micro_step in range(grad_accum_steps):
-                tokens, labels = to_batch([train_data[i] for i in next(sampler)], device, model_config.vocab_size,
-                                          cfg.data_paths)
-                if distributed:  # reduce-scatter gradients once per step, not once per micro-batch
-                    model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
-                with autocast:
-                    _, loss = model(tokens, labels)
-                (loss / grad_accum_steps).backward()
-                loss_sum += loss.detach()
+            batches = [to_batch([ctx.train_data[i] for i in next(sampler)], ctx.device, vocab_size, cfg.data_paths)
+                       for _ in range(ctx.grad_accum_steps)]
+            loss_sum = forward_backward(model, batches, ctx)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            # mean loss over every token of the step on every rank, and whether any rank was asked to stop
-            stop_flag = torch.tensor(float(stop.signal is not None), device=device)
-            stats = torch.stack([loss_sum / grad_accum_steps, stop_flag])
-            if distributed:
-                dist.all_reduce(stats)
-            train_loss, stop_requested = stats[0].item() / world_size, stats[1].item() > 0
-            norm = norm.item()
+            train_loss, norm, stop_requested = step_stats(loss_sum, norm, stop, ctx, ctx.grad_accum_steps)
             if not (math.isfinite(train_loss) and math.isfinite(norm)):
-                kept = complete_checkpoints(ckpt_root)
+                kept = complete_checkpoints(ctx.ckpt_root)
                 raise FloatingPointError(
                     f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped before the "
                     f"update. The last good checkpoint is " + (kept[-1] if kept else "none (none was written)"))
@@ -629,12 +570,9 @@ def train(cfg, rank, world_size, device):
             consumed_samples += cfg.global_batch_size
 
             dt = time.perf_counter() - t0
-            tokens_per_s = tokens_per_step / dt
-            mfu = tokens_per_s * flops_per_token / (peak * world_size) if peak else None
-            if device.type == "cuda":
-                peak_mem_gib, memory = torch.cuda.max_memory_allocated(device) / 2**30, "mem"
-            else:  # the peak resident set size, which Linux reports in KiB
-                peak_mem_gib, memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+            tokens_per_s = ctx.tokens_per_step / dt
+            mfu = tokens_per_s * ctx.flops_per_token / (ctx.peak_flops * world_size) if ctx.peak_flops else None
+            peak_mem_gib, memory = memory_in_use(ctx.device)
             log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
                 f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
                 + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + f" | {memory} {peak_mem_gib:.1f} GiB",
@@ -646,31 +584,20 @@ def train(cfg, rank, world_size, device):
             if stop_requested or done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0):
                 t0 = time.perf_counter()
                 train_state = dict(step=done, consumed_samples=consumed_samples, world_size=world_size,
-                                   model_config=dataclasses.asdict(model_config), config=dataclasses.asdict(cfg))
-                path = save_checkpoint(ckpt_root, model, optimizer, train_state, cfg.ckpt_keep, rank)
+                                   model_config=dataclasses.asdict(ctx.model_config), config=dataclasses.asdict(cfg))
+                path = save_checkpoint(ctx.ckpt_root, model, optimizer, train_state, cfg.ckpt_keep, rank)
                 log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
             if stop_requested:
                 log(f"stopped by a signal after step {done}; rerun the same command to resume")
                 return
     finally:
         stop.restore()
-
-    # the final weights for transformers (and everything else that reads Hugging Face GPT-2 directories)
-    t0 = time.perf_counter()
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    hf_dir = os.path.join(cfg.out_dir, "hf")
-    if master:
-        shutil.rmtree(hf_dir + ".tmp", ignore_errors=True)
-        model.save_pretrained(hf_dir + ".tmp", state_dict=full_state)
-        shutil.rmtree(hf_dir, ignore_errors=True)
-        os.rename(hf_dir + ".tmp", hf_dir)
-        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
-    barrier()
+    export_hf(model, cfg, ctx.master)
 
 
 def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
-    rank, world_size, device = setup_distributed(cfg)
+    rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
     try:
         train(cfg, rank, world_size, device)
     finally:
