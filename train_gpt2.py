@@ -20,10 +20,12 @@ import difflib
 import json
 import math
 import os
+import queue
 import resource
 import shutil
 import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -38,7 +40,9 @@ import hellaswag
 from checkpoint import (complete_checkpoints, is_run_or_checkpoint, load_checkpoint, load_weights, read_train_state,
                         resolve_checkpoint, save_checkpoint)
 from distributed import barrier, broadcast_object, setup_distributed
-from indexed_dataset import PretrainingSampler, build_gpt_datasets, sequential_samples
+from dataset_tools import check_token_range
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
+                             sequential_samples, token_weighted_blend)
 from model import GPT, GPTConfig
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
@@ -50,6 +54,9 @@ class TrainConfig:
     data_paths: str | list = "fineweb_edu/megatron_gpt2/processed_data_*_text_document"  # prefix, glob, or blend list
     index_mapping_dir: str | None = None  # dataset index cache; None: beside each prefix, as Megatron does
     split: str = "969,30,1"  # train, validation, test shares of each prefix's documents
+    # validation tokens: None = the first val_tokens of the Megatron validation split of data_paths; a prefix (e.g.
+    # prepare_fineweb.py's val_text_document) = llm.c's val protocol: windows over [EOT] + its documents in order
+    val_data_paths: str | None = None
     seq_length: int = 1024
     # model; when weights come from init_from or a checkpoint, their architecture is used instead
     n_layer: int = 12
@@ -77,8 +84,10 @@ class TrainConfig:
     hellaswag: str | None = None  # None = off; a HellaSwag jsonl file; or "download"
     hellaswag_limit: int | None = None  # score only the first N examples
     sample_tokens: int = 0  # tokens sampled at each validation when the vocabulary is GPT-2's; 0 = off
+    eval_only: bool = False  # evaluate the initial model (init_from, or the out_dir's checkpoint) once and exit
     # outputs
     out_dir: str = "out"
+    log_every_steps: int = 1  # loss/norm/timing are read from the device once per this many steps, then all logged
     ckpt_every_steps: int = 1000  # 0 = only at the end and on SIGTERM/SIGINT
     ckpt_keep: int = 2  # complete checkpoints kept, newest first
     # system
@@ -86,6 +95,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda when available), cuda, cpu
     dtype: str = "bfloat16"  # bfloat16: FSDP bf16 params with fp32 gradient reduction, or autocast on one device
     compile: bool = True  # torch.compile each transformer block
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     dist_timeout_s: int = 900  # a collective that waits longer than this fails instead of hanging
 
 
@@ -150,7 +160,7 @@ def check_config(cfg):
     """Values that are out of range raise ValueError naming the key."""
     at_least = dict(seq_length=1, n_layer=1, n_head=1, n_embd=1, vocab_size=1, global_batch_size=1, local_batch_size=1,
                     max_steps=1, lr=0.0, min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0, adam_eps=0.0, grad_clip=0.0,
-                    val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0, ckpt_keep=1,
+                    val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0, ckpt_keep=1, log_every_steps=1,
                     dist_timeout_s=1)
     for key, low in at_least.items():
         if getattr(cfg, key) is not None and getattr(cfg, key) < low:
@@ -217,6 +227,7 @@ def build_model(model_config, source, cfg, device):
     (else a checkpoint fills it next). Without one: `source`, or a fresh GPT for a checkpoint, moved to `device`."""
     if not dist.is_initialized():
         model = (source if source is not None else GPT(model_config)).to(device)
+        model.activation_checkpointing = cfg.activation_checkpointing
         if cfg.compile:
             for block in model.transformer.h:
                 block.compile()
@@ -225,6 +236,7 @@ def build_model(model_config, source, cfg, device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         model = GPT(model_config)
+    model.activation_checkpointing = cfg.activation_checkpointing  # per block, inside FSDP's and compile's wrapping
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.dtype == "bfloat16" else MixedPrecisionPolicy()
     for block in model.transformer.h:
@@ -237,6 +249,33 @@ def build_model(model_config, source, cfg, device):
         set_model_state_dict(model, source.state_dict() if source is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
+
+
+def memory_plan(model_config, cfg, world_size, device):
+    """What one rank will hold, estimated before the first step: fp32 parameters, gradients and AdamW's two
+    moments (sharded over the ranks by FSDP2), and the activations of one micro-batch kept for backward: about
+    34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash attention so no T x T scores), or
+    the block inputs only (2 x tokens x n_embd) with activation checkpointing; double in fp32. A warning names the
+    config keys to change when it will not fit in the device's free memory."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GPT(model_config).parameters())
+    gib = 2**30
+    shard = 4 * n / world_size / gib
+    act_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    tokens = cfg.local_batch_size * cfg.seq_length
+    per_layer = (1 if cfg.activation_checkpointing else 17) * act_bytes * tokens * model_config.n_embd
+    activations = per_layer * model_config.n_layer / gib
+    total = 4 * shard + activations
+    free = torch.cuda.mem_get_info(device)[0] / gib if device.type == "cuda" else None
+    plan = (f"memory plan per rank ({world_size} rank(s), {cfg.dtype}): parameters {shard:.2f} GiB, gradients "
+            f"{shard:.2f} GiB, optimizer {2 * shard:.2f} GiB, activations of one micro-batch of {tokens:,} tokens "
+            f"~{activations:.2f} GiB (estimated), total ~{total:.2f} GiB; device free "
+            + (f"{free:.1f} GiB" if free is not None else "n/a (CPU)"))
+    if free is not None and total > 0.9 * free:
+        plan += ("\nWARNING: this may not fit: lower local_batch_size"
+                 + ("" if cfg.activation_checkpointing else " or set activation_checkpointing=True")
+                 + ", or use more ranks")
+    return plan
 
 
 def lr_at(step, cfg):
@@ -258,22 +297,47 @@ def peak_flops(device):
 # -----------------------------------------------------------------------------
 # data and evaluation
 
-def to_batch(samples, device, vocab_size, data_paths):
-    """Stack dataset samples into (tokens, labels) LongTensors on `device`."""
-    tokens = np.stack([s["tokens"] for s in samples])
-    labels = np.stack([s["labels"] for s in samples])
-    largest = max(int(tokens.max()), int(labels.max()))
-    if largest >= vocab_size:
-        raise ValueError(f"{data_paths}: token id {largest} in the data is outside the model's vocabulary "
-                         f"(vocab_size {vocab_size}); the data was tokenized for another vocabulary")
-    tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
-    if device.type == "cuda":
-        tokens, labels = tokens.pin_memory(), labels.pin_memory()
+def host_batch(samples, pin):
+    """Dataset samples stacked into (tokens, labels) LongTensors in host memory, pinned for fast copies if `pin`."""
+    tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]))
+    labels = torch.from_numpy(np.stack([s["labels"] for s in samples]))
+    return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
+
+
+def to_batch(samples, device):
+    """(tokens, labels) on `device`; on CUDA copied from pinned memory without waiting for the copy (the stream
+    orders it before the forward that reads it)."""
+    tokens, labels = host_batch(samples, pin=device.type == "cuda")
     return tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 
+class Prefetcher:
+    """Reads, stacks and pins the micro-batches of the next steps in a background thread while the current step
+    runs, in exactly the sampler's order. next() returns one step's list of (tokens, labels) on the device."""
+
+    def __init__(self, dataset, sampler, grad_accum_steps, device, depth=2):
+        self.device = device
+        self.queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self.produce, args=(dataset, sampler, grad_accum_steps), daemon=True)
+        self.thread.start()
+
+    def produce(self, dataset, sampler, grad_accum_steps):
+        try:
+            while True:
+                pin = self.device.type == "cuda"
+                self.queue.put([host_batch([dataset[i] for i in next(sampler)], pin) for _ in range(grad_accum_steps)])
+        except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
+            self.queue.put(e)
+
+    def next(self):
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in item]
+
+
 @torch.no_grad()
-def validation_loss(model, val_data, batch_size, device, autocast, data_paths):
+def validation_loss(model, val_data, batch_size, device, autocast):
     """Mean cross-entropy per token over every window of `val_data`, all ranks together: rank r scores windows
     r, r + W, ...; token-weighted loss sums are all-reduced. Every rank runs the same number of forwards, since a
     sharded model gathers its weights collectively in each one."""
@@ -284,7 +348,7 @@ def validation_loss(model, val_data, batch_size, device, autocast, data_paths):
     model.eval()
     for b in range(num_batches):
         indices = mine[b * batch_size:(b + 1) * batch_size]
-        tokens, labels = to_batch([val_data[i] for i in (indices or [0])], device, model.config.vocab_size, data_paths)
+        tokens, labels = to_batch([val_data[i] for i in (indices or [0])], device)
         with autocast:
             _, loss = model(tokens, labels)
         if indices:
@@ -355,34 +419,47 @@ def prepare_out_dir(cfg, master):
 
 
 def build_data(cfg, log, master):
-    """(train_data, val_data): the train split in Megatron's shuffled order, the validation split in order (or None).
-    max_steps None becomes one epoch of the train split."""
-    train_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
-    train_data, _, _ = build_gpt_datasets(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed,
-                                          sizes=(train_samples, 0, 0), cache_dir=cfg.index_mapping_dir)
-    if train_data is None:
-        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
-    # an unweighted glob is one epoch at most (as in Megatron and AutoModel): fail now, not at the step that runs out
-    epoch_steps = len(train_data) // cfg.global_batch_size
-    if cfg.max_steps is None:
-        if epoch_steps < 1:
-            raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than one "
-                             f"global batch of {cfg.global_batch_size}")
-        cfg.max_steps = epoch_steps
-        log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
-    elif len(train_data) < train_samples:
-        raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples of {cfg.seq_length} "
-                         f"tokens, fewer than max_steps x global_batch_size = {train_samples:,} (an unweighted glob "
-                         f"gives one epoch at most); set max_steps <= {epoch_steps:,}, or max_steps=None for one epoch")
+    """(train_data, val_data). Train: Megatron's GPTDataset samples in its shuffled order (None under eval_only);
+    max_steps None becomes one epoch. Validation: llm.c's windows of val_data_paths, or the first val_tokens of
+    the Megatron validation split of data_paths, in order; None when val_tokens is 0."""
+    train_data = None
+    if not cfg.eval_only:
+        train_data = build_train_data(cfg, log)
     val_data = None
-    if cfg.val_tokens:
+    if cfg.val_tokens and cfg.val_data_paths is not None:
+        val_data = LLMCValWindows(cfg.val_data_paths, cfg.seq_length, cfg.val_tokens)
+    elif cfg.val_tokens:
         val_data = sequential_samples(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, split_index=1,
                                       max_samples=cfg.val_tokens // cfg.seq_length)
         if val_data is None:
             log(f"no validation: split {cfg.split!r} gives the validation split no share")
-        elif master:
-            print(f"validation: {len(val_data) * cfg.seq_length:,} tokens")
+    if val_data is not None and master:
+        print(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
+              f"{cfg.val_data_paths or cfg.data_paths}")
     return train_data, val_data
+
+
+def build_train_data(cfg, log):
+    """The train split. An unweighted list of several prefixes is one epoch at most in Megatron; past that, the
+    prefixes are weighted by their token counts (what a Megatron user writes as a blend), which repeats each one
+    in whole shuffled epochs."""
+    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
+    cache = dict(cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
+    common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0), **cache)
+    train_data, _, _ = build_gpt_datasets(cfg.data_paths, **common)
+    if train_data is None:
+        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
+    if cfg.max_steps is None:
+        cfg.max_steps = len(train_data) // cfg.global_batch_size
+        if cfg.max_steps < 1:
+            raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than one "
+                             f"global batch of {cfg.global_batch_size}")
+        log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
+    elif len(train_data) < num_samples:
+        log(f"{cfg.data_paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes "
+            f"are blended by token count, each repeated in whole epochs")
+        train_data, _, _ = build_gpt_datasets(token_weighted_blend(cfg.data_paths), **common)
+    return train_data
 
 
 def build_optimizer(model, cfg, device):
@@ -400,7 +477,13 @@ def resume(resume_path, model, optimizer, cfg):
         return 0, 0
     train_state = load_checkpoint(resume_path, model, optimizer)
     step, consumed_samples = train_state["step"], train_state["consumed_samples"]
-    if step > cfg.max_steps:
+    saved_batch = train_state.get("config", {}).get("global_batch_size", cfg.global_batch_size)
+    if saved_batch != cfg.global_batch_size and not cfg.eval_only:
+        # the data order and the lr schedule are counted in steps of the saved global batch
+        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {saved_batch}, the config now "
+                         f"says {cfg.global_batch_size}; resume with --global_batch_size={saved_batch} (any number "
+                         f"of ranks and any local_batch_size that divides it work), or start a new out_dir")
+    if cfg.max_steps is not None and step > cfg.max_steps:
         raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
     for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
         group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
@@ -419,15 +502,18 @@ def load_hellaswag(cfg, master):
 
 def evaluate(model, step, cfg, ctx):
     """Validation loss, HellaSwag and a sample at an evaluation step, before that step's update: s:0 is the model at
-    init, s:max_steps the final one. Every rank takes part: a sharded model's forward is collective."""
+    init (HellaSwag and samples only under eval_only), s:max_steps the final one. Every rank takes part: a sharded
+    model's forward is collective."""
     log = ctx.log
     if ctx.val_data is not None:
         t0 = time.perf_counter()
-        val_loss = validation_loss(model, ctx.val_data, cfg.local_batch_size, ctx.device, ctx.autocast,
-                                   cfg.data_paths)
+        val_loss = validation_loss(model, ctx.val_data, cfg.local_batch_size, ctx.device, ctx.autocast)
+        if not math.isfinite(val_loss):
+            raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped without saving this "
+                                     f"state")
         log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
             f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
-    if ctx.hellaswag_examples is not None and step > 0:
+    if ctx.hellaswag_examples is not None and (step > 0 or cfg.eval_only):
         result = hellaswag.evaluate(model, ctx.hellaswag_examples, device=ctx.device, rank=ctx.rank,
                                     world_size=ctx.world_size, autocast_dtype=ctx.autocast_dtype,
                                     limit=cfg.hellaswag_limit)
@@ -454,21 +540,104 @@ def forward_backward(model, batches, ctx):
     return loss_sum
 
 
-def step_stats(loss_sum, norm, stop, ctx, grad_accum_steps):
-    """(mean loss over every token of the step on every rank, grad norm, whether any rank was asked to stop)."""
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    stop_flag = torch.tensor(float(stop.signal is not None), device=ctx.device)
-    stats = torch.stack([loss_sum / grad_accum_steps, stop_flag])
-    if ctx.distributed:
-        dist.all_reduce(stats)
-    return stats[0].item() / ctx.world_size, norm.item(), stats[1].item() > 0
+def reset_step_peak_memory(device):
+    """Start measuring this step's peak memory: the CUDA allocator's high-water mark, or on the CPU the kernel's
+    peak resident set size (VmHWM; writing 5 to clear_refs resets it, Linux >= 4.0)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
-def memory_in_use(device):
-    """(GiB, label): the CUDA allocator's peak, or the process's peak resident set size on the CPU (Linux: KiB)."""
+def step_peak_memory(device):
+    """(GiB, label) of this step's peak since reset_step_peak_memory. Host-side bookkeeping: never waits for the
+    device."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2**20, "rss"
+
+
+class StepLog:
+    """The numbers of each step (loss, grad norm, the stop flag) stay on the device, copied asynchronously to the
+    host, and are read once per log_every_steps steps, one step late, so the host never waits for the device in a
+    step: the next step is already queued when a step's numbers are read. Step times come from CUDA events (or the
+    host clock on the CPU, where every op has finished when it returns), so they measure the device's work."""
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.pending = []  # (step, lr, host stats, event, start, end, peak GiB, memory label)
+        self.stop_flag = torch.zeros((), device=ctx.device)
+        self.run_peak_gib = 0.0
+        self.cuda = ctx.device.type == "cuda"
+
+    def clock(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start_step(self):
+        reset_step_peak_memory(self.ctx.device)
+        self.start = self.clock()
+
+    def end_step(self, step, lr, loss_sum, norm, stop):
+        """Queue the step's numbers: all-reduced over ranks, copied to the host without waiting."""
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's norm is a DTensor
+        self.stop_flag.fill_(float(stop.signal is not None))
+        stats = torch.stack([loss_sum / self.ctx.grad_accum_steps, norm.float(), self.stop_flag])
+        if self.ctx.distributed:
+            dist.all_reduce(stats)
+        host = torch.empty(3, pin_memory=self.cuda)
+        host.copy_(stats, non_blocking=True)
+        end = self.clock()
+        peak_gib, label = step_peak_memory(self.ctx.device)
+        self.run_peak_gib = max(self.run_peak_gib, peak_gib)
+        self.pending.append((step, lr, host, end if self.cuda else None, self.start, end, peak_gib, label))
+
+    def due(self, step):
+        return (step + 1) % self.cfg.log_every_steps == 0
+
+    def flush(self, keep_last=True):
+        """Log the pending steps (all but the newest when keep_last, so that one keeps running); returns whether
+        any rank was asked to stop. A non-finite loss or grad norm raises: the loop never checkpoints after it."""
+        ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_last else (self.pending, [])
+        stop_requested = False
+        for step, lr, host, event, start, end, peak_gib, label in ready:
+            if event is not None:
+                event.synchronize()
+            train_loss, norm, stop_count = (host / torch.tensor([self.ctx.world_size, self.ctx.world_size, 1])).tolist()
+            stop_requested |= stop_count > 0
+            if not (math.isfinite(train_loss) and math.isfinite(norm)):
+                kept = complete_checkpoints(self.ctx.ckpt_root)
+                raise FloatingPointError(
+                    f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped without saving "
+                    f"this state. The last good checkpoint is " + (kept[-1] if kept else "none (none was written)"))
+            self.log_step(step, lr, train_loss, norm, start.elapsed_time(end) / 1000 if event else end - start,
+                          peak_gib, label)
+        return stop_requested
+
+    def log_step(self, step, lr, train_loss, norm, dt, peak_gib, label):
+        cfg, ctx = self.cfg, self.ctx
+        tokens_per_s = ctx.tokens_per_step / dt
+        mfu = tokens_per_s * ctx.flops_per_token / (ctx.peak_flops * ctx.world_size) if ctx.peak_flops else None
+        ctx.log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
+                f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
+                + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
+                + f" | {label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
+                f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
+                step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000, tokens_per_s=tokens_per_s,
+                mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
+                consumed_samples=(step + 1) * cfg.global_batch_size)
 
 
 def export_hf(model, cfg, master):
@@ -506,6 +675,14 @@ def setup(cfg, rank, world_size, device):
     if cfg.hellaswag is not None and model_config.vocab_size != VOCAB_SIZE:
         raise ValueError(f"config: hellaswag needs the GPT-2 vocabulary; the model has {model_config.vocab_size} "
                          f"tokens")
+    # a token id outside the vocabulary would be a device-side assert on a GPU: check each dataset's range once
+    checked = [cfg.val_data_paths] if cfg.val_data_paths and cfg.val_tokens else []
+    if train_data is not None or (val_data is not None and not cfg.val_data_paths):
+        checked.append(cfg.data_paths)
+    check_token_range([p for paths in checked for p in resolve_blend(paths)[0]], model_config.vocab_size,
+                      cache_dir=cfg.index_mapping_dir)
+    if master:
+        print(memory_plan(model_config, cfg, world_size, device))
     model = build_model(model_config, source, cfg, device)
     del source
     if weights_checkpoint is not None and resume_path is None:
@@ -538,57 +715,50 @@ def setup(cfg, rank, world_size, device):
 
 def train(cfg, rank, world_size, device):
     model, optimizer, step, consumed_samples, ctx = setup(cfg, rank, world_size, device)
-    log, vocab_size = ctx.log, ctx.model_config.vocab_size
+    if cfg.eval_only:
+        evaluate(model, step, cfg, ctx)
+        return
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples, cfg.local_batch_size,
                                       rank, world_size))
+    batches = Prefetcher(ctx.train_data, sampler, ctx.grad_accum_steps, device)
+    step_log = StepLog(cfg, ctx)
     stop = StopRequest()
     try:
         for step in range(step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
             if step % cfg.val_every_steps == 0 or last_step:
+                step_log.flush(keep_last=False)
                 evaluate(model, step, cfg, ctx)
             if last_step:
                 break
 
-            # one optimizer step over global_batch_size sequences
-            t0 = time.perf_counter()
+            # one optimizer step over global_batch_size sequences; nothing here waits for the device
+            step_log.start_step()
             lr = lr_at(step, cfg)
-            batches = [to_batch([ctx.train_data[i] for i in next(sampler)], ctx.device, vocab_size, cfg.data_paths)
-                       for _ in range(ctx.grad_accum_steps)]
-            loss_sum = forward_backward(model, batches, ctx)
+            loss_sum = forward_backward(model, batches.next(), ctx)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            train_loss, norm, stop_requested = step_stats(loss_sum, norm, stop, ctx, ctx.grad_accum_steps)
-            if not (math.isfinite(train_loss) and math.isfinite(norm)):
-                kept = complete_checkpoints(ctx.ckpt_root)
-                raise FloatingPointError(
-                    f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped before the "
-                    f"update. The last good checkpoint is " + (kept[-1] if kept else "none (none was written)"))
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            consumed_samples += cfg.global_batch_size
-
-            dt = time.perf_counter() - t0
-            tokens_per_s = ctx.tokens_per_step / dt
-            mfu = tokens_per_s * ctx.flops_per_token / (ctx.peak_flops * world_size) if ctx.peak_flops else None
-            peak_mem_gib, memory = memory_in_use(ctx.device)
-            log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
-                f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
-                + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a") + f" | {memory} {peak_mem_gib:.1f} GiB",
-                f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
-                step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000,
-                tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gib=peak_mem_gib, consumed_samples=consumed_samples)
+            step_log.end_step(step, lr, loss_sum, norm, stop)
 
             done = step + 1
-            if stop_requested or done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0):
+            checkpoint_due = done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0)
+            stop_requested = False
+            if checkpoint_due or step_log.due(step):
+                # before a checkpoint every number is read, so a non-finite step is never saved
+                stop_requested = step_log.flush(keep_last=not checkpoint_due)
+            if stop_requested and step_log.pending:  # stop at a step whose numbers were all read
+                stop_requested = step_log.flush(keep_last=False) or stop_requested
+            if checkpoint_due or stop_requested:
                 t0 = time.perf_counter()
-                train_state = dict(step=done, consumed_samples=consumed_samples, world_size=world_size,
+                train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
                                    model_config=dataclasses.asdict(ctx.model_config), config=dataclasses.asdict(cfg))
                 path = save_checkpoint(ctx.ckpt_root, model, optimizer, train_state, cfg.ckpt_keep, rank)
-                log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+                ctx.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
             if stop_requested:
-                log(f"stopped by a signal after step {done}; rerun the same command to resume")
+                ctx.log(f"stopped by a signal after step {done}; rerun the same command to resume")
                 return
     finally:
         stop.restore()
