@@ -266,8 +266,9 @@ def resolve_blend(paths):
     """(prefixes, weights or None) for a prefix, a glob, or a Megatron blend list like ["30", p0, "70", p1].
 
     A glob means every `.bin`/`.idx` pair it matches, sorted and unweighted, as NeMo AutoModel reads
-    "processed_data_*_text_document*"; a glob of prefixes ("processed_data_*_text_document") works too. A blend list of odd length, or whose even entries are not numbers, is a list
-    of prefixes; otherwise it alternates weight, prefix (megatron's get_blend_from_list)."""
+    "processed_data_*_text_document*"; a glob of prefixes ("processed_data_*_text_document") works too. A blend list
+    of odd length, or whose even entries are not numbers, is a list of prefixes; otherwise it alternates weight,
+    prefix (megatron's get_blend_from_list)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = str(paths)
         if not glob.has_magic(paths):

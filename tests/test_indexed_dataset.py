@@ -404,15 +404,21 @@ def test_cache_dir_none_keeps_the_indices_beside_the_data(tmp_path, capfd):
     assert all(same_samples(a, b) for a, b in zip(fresh, again))
 
 
+def deny_writes(monkeypatch, directory):
+    """Make os.access say `directory` and what is under it cannot be written. Tests run as root, for whom os.access
+    ignores the mode bits (a chmod 0o555 alone would not show), so it answers here as it would for a user."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: (not str(path).startswith(str(directory))
+                                                          and real_access(path, mode)))
+
+
 @pytest.mark.parametrize("fallback", [True, False])
 def test_read_only_data_dir_uses_the_fallback_cache_dir(tmp_path, capfd, monkeypatch, fallback):
     data = tmp_path / "data"
     data.mkdir()
     prefix = write_ours(str(data / "d_text_document"), random_documents(np.random.default_rng(11), 300))
     os.chmod(data, 0o555)
-    # tests run as root, for whom os.access ignores the mode bits: make it answer as it would for a user
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(str(data)) and real_access(path, mode))
+    deny_writes(monkeypatch, data)
     try:
         fallback_dir = str(tmp_path / "out") if fallback else None
         datasets = build_gpt_datasets(prefix, seq_length=16, split="90,8,2", sizes=(2000, 100, 30),
