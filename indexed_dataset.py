@@ -18,16 +18,14 @@ How megatron-core samples one split of one prefix (GPTDataset):
     3. The shuffled token stream is cut into samples of seq_length + 1 tokens that share one token with the next
        sample (sample index), so tokens and labels (tokens shifted by one) both have seq_length tokens.
     4. The samples are shuffled (shuffle index), the short last epoch again on its own.
-A blend of prefixes draws from each in proportion to its weight (BlendedDataset).
+A blend of prefixes draws from each in proportion to its weight (BlendedDataset, indices in blending.py).
 
 Samples are dicts of int64 arrays {"tokens", "labels"}, equal to megatron-core's. Megatron also returns position ids
 and a loss mask; with its defaults (no EOD masking or position/attention resets, the last partial sample dropped),
 which is how this module always samples, those are arange(seq_length) and all ones, so they are left out.
+Inspecting and checking files, and token ranges: dataset_tools.py.
 """
-import argparse
 import glob
-import hashlib
-import json
 import math
 import os
 import re
@@ -39,12 +37,16 @@ from array import array
 
 import numpy as np
 
+from blending import blending_indices
+from index_cache import CACHE_FORMAT, cache_dirs, cached, distributed, log, source_key
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
-CACHE_FORMAT = 1  # bump when the cached arrays or their key change meaning
+EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
+CHECK_BLOCK = 1 << 20  # sequences per step of the index checks: bounds their temporaries
 
 
 def optimal_dtype(vocab_size):
@@ -59,6 +61,8 @@ def optimal_dtype(vocab_size):
 class IndexedDataset:
     """Memory-mapped reader of `<path_prefix>.bin` + `<path_prefix>.idx`; `ds[i]` is sequence i's tokens.
 
+    Opening checks that the index is consistent and describes the .bin exactly (one pass over the index, none over
+    the tokens), so a damaged or mismatched pair fails here, naming the file, instead of training on garbage.
     The returned arrays are read-only views into the memory map, which stays open as long as any of them lives.
     """
 
@@ -69,31 +73,8 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else ""
                 raise FileNotFoundError(f"{path}: no such file{hint}")
-
-        idx_size = os.path.getsize(idx_path)
-        with open(idx_path, "rb") as f:
-            header = f.read(HEADER.size)
-        if not (header.startswith(INDEX_MAGIC) or INDEX_MAGIC.startswith(header)):  # a cut-off magic is truncation
-            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index: it starts with {header[:9]!r}, "
-                             f"not {INDEX_MAGIC!r}")
-        if len(header) < HEADER.size:
-            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
-        _, version, code, num_sequences, num_boundaries = HEADER.unpack(header)
-        if version != 1:
-            raise ValueError(f"{idx_path}: unsupported index version {version} (only version 1 exists)")
-        if code not in DTYPES:
-            raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
-        if num_boundaries < 1:
-            raise ValueError(f"{idx_path}: document count is 0; it must count at least the leading boundary 0")
-        expected = HEADER.size + 12 * num_sequences + 8 * num_boundaries
-        if idx_size < expected:
-            raise ValueError(f"{idx_path}: truncated: its header announces {num_sequences} sequences and "
-                             f"{num_boundaries - 1} documents, which take {expected} bytes, but the file has "
-                             f"{idx_size}")
-        if idx_size not in (expected, expected + num_sequences):  # + S: the per-sequence modes of multimodal data
-            raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries; the header's "
-                             f"counts ({num_sequences} sequences, {num_boundaries - 1} documents) do not fit the file")
-
+        self.idx_stat = os.stat(idx_path)  # size and mtime key the index cache
+        code, num_sequences, num_boundaries = _read_header(idx_path, self.idx_stat.st_size)
         self.dtype = np.dtype(DTYPES[code])
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         offset = HEADER.size
@@ -102,18 +83,8 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._index, "<i8", num_sequences, offset)
         offset += 8 * num_sequences
         self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, offset)
-        if self.document_indices[0] != 0 or self.document_indices[-1] != num_sequences:
-            raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} to "
-                             f"{self.document_indices[-1]}, not from 0 to the sequence count {num_sequences}")
-
         bin_size = os.path.getsize(bin_path)
-        if bin_size % self.dtype.itemsize:
-            raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {self.dtype} tokens")
-        if num_sequences:
-            needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            if bin_size < needed:
-                raise ValueError(f"{bin_path}: {bin_size} bytes, shorter than the {needed} bytes its index "
-                                 f"{idx_path} says (a truncated .bin, or an index of another file)")
+        _check_index(self, idx_path, bin_path, bin_size)
         # numpy cannot map an empty file; an empty dataset has no tokens to map anyway
         self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
 
@@ -138,12 +109,78 @@ class IndexedDataset:
         return self._tokens[start:start + length]
 
     @property
+    def tokens(self):
+        """Every token of the .bin, memory-mapped, in file order."""
+        return self._tokens
+
+    @property
     def num_documents(self):
         return len(self.document_indices) - 1
 
     @property
     def num_tokens(self):
         return int(self.sequence_lengths.sum(dtype=np.int64))
+
+
+def _read_header(idx_path, idx_size):
+    """(dtype code, sequence count, document boundary count) of an index, checked against its file size."""
+    with open(idx_path, "rb") as f:
+        header = f.read(HEADER.size)
+    if not (header.startswith(INDEX_MAGIC) or INDEX_MAGIC.startswith(header)):  # a cut-off magic is truncation
+        raise ValueError(f"{idx_path}: not a Megatron indexed dataset index: it starts with {header[:9]!r}, "
+                         f"not {INDEX_MAGIC!r}")
+    if len(header) < HEADER.size:
+        raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
+    _, version, code, num_sequences, num_boundaries = HEADER.unpack(header)
+    if version != 1:
+        raise ValueError(f"{idx_path}: unsupported index version {version} (only version 1 exists)")
+    if code not in DTYPES:
+        raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
+    if num_boundaries < 1:
+        raise ValueError(f"{idx_path}: document count is 0; it must count at least the leading boundary 0")
+    expected = HEADER.size + 12 * num_sequences + 8 * num_boundaries
+    if idx_size < expected:
+        raise ValueError(f"{idx_path}: truncated: its header announces {num_sequences} sequences and "
+                         f"{num_boundaries - 1} documents, which take {expected} bytes, but the file has {idx_size}")
+    if idx_size not in (expected, expected + num_sequences):  # + S: the per-sequence modes of multimodal data
+        raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries; the header's "
+                         f"counts ({num_sequences} sequences, {num_boundaries - 1} documents) do not fit the file")
+    return code, num_sequences, num_boundaries
+
+
+def _check_index(ds, idx_path, bin_path, bin_size):
+    """The index must be consistent and describe the .bin exactly: boundaries from 0 to S and never decreasing,
+    no negative length, each pointer the running sum of the lengths before it in bytes of the dtype (a wrong dtype
+    code breaks this), and the .bin exactly as long as all sequences. One vectorised pass over the index arrays."""
+    lengths, pointers, boundaries = ds.sequence_lengths, ds.sequence_pointers, ds.document_indices
+    if boundaries[0] != 0 or boundaries[-1] != len(lengths):
+        raise ValueError(f"{idx_path}: corrupt: document boundaries run from {boundaries[0]} to {boundaries[-1]}, "
+                         f"not from 0 to the sequence count {len(lengths)}")
+    itemsize, end = ds.dtype.itemsize, 0
+    for first in range(0, max(len(lengths), len(boundaries)), CHECK_BLOCK):
+        block = slice(first, first + CHECK_BLOCK)
+        if (np.diff(boundaries[first:first + CHECK_BLOCK + 1]) < 0).any():
+            raise ValueError(f"{idx_path}: corrupt: document boundaries decrease (in documents from {first})")
+        part = lengths[block].astype(np.int64)
+        if part.size and part.min() < 0:
+            raise ValueError(f"{idx_path}: corrupt: sequence {first + int(np.argmin(part))} has a negative length "
+                             f"{part.min()}")
+        starts = np.cumsum(part * itemsize)
+        starts -= part * itemsize
+        starts += end
+        bad = np.flatnonzero(pointers[block] != starts)
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte {pointers[first + k]} of the "
+                             f".bin, but the lengths before it put it at byte {starts[k]} ({ds.dtype} tokens): "
+                             f"a wrong dtype code or damaged pointers")
+        end += int(part.sum()) * itemsize
+    if bin_size % itemsize:
+        raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {ds.dtype} tokens")
+    if bin_size != end:
+        relation = "shorter" if bin_size < end else "longer"
+        raise ValueError(f"{bin_path}: {bin_size} bytes, {relation} than the {end} bytes its index {idx_path} says "
+                         f"(a {'truncated' if bin_size < end else 'damaged'} .bin, or an index of another file)")
 
 
 class IndexedDatasetBuilder:
@@ -229,8 +266,9 @@ def resolve_blend(paths):
     """(prefixes, weights or None) for a prefix, a glob, or a Megatron blend list like ["30", p0, "70", p1].
 
     A glob means every `.bin`/`.idx` pair it matches, sorted and unweighted, as NeMo AutoModel reads
-    "processed_data_*_text_document*"; a glob of prefixes ("processed_data_*_text_document") works too. A blend list of odd length, or whose even entries are not numbers, is a list
-    of prefixes; otherwise it alternates weight, prefix (megatron's get_blend_from_list)."""
+    "processed_data_*_text_document*"; a glob of prefixes ("processed_data_*_text_document") works too. A blend list
+    of odd length, or whose even entries are not numbers, is a list of prefixes; otherwise it alternates weight,
+    prefix (megatron's get_blend_from_list)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = str(paths)
         if not glob.has_magic(paths):
@@ -295,6 +333,25 @@ def split_range(num_sequences, bookends):
     """The [begin, end) sequence range that a split's (start, end) fractions cover (Python's round, half to even)."""
     start, end = bookends
     return int(round(start * float(num_sequences))), int(round(end * float(num_sequences)))
+
+def token_weighted_blend(paths):
+    """The Megatron blend list [str(tokens of p0), p0, str(tokens of p1), p1, ...] of the prefixes `paths` names.
+
+    megatron-core blends an unweighted list of several prefixes one epoch of each, never more: sizes beyond are cut
+    to one epoch. A Megatron user who needs more gives weights; weighting each prefix by its token count keeps the
+    mixture of one epoch, and any number of samples can then be asked (each prefix repeated in whole epochs).
+    build_gpt_datasets(token_weighted_blend(paths), sizes=...) gives megatron-core's samples for that blend list.
+    """
+    prefixes, weights = resolve_blend(paths)
+    if weights is not None:
+        raise ValueError(f"{paths}: already weighted; token_weighted_blend weights a list of prefixes")
+    blend = []
+    for prefix in prefixes:
+        tokens = IndexedDataset(prefix).num_tokens
+        if tokens == 0:
+            raise ValueError(f"{prefix}.bin: holds no tokens, so it cannot take part in a token-weighted blend")
+        blend += [str(tokens), prefix]
+    return blend
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -386,185 +443,6 @@ def _sample_index(sizes, seq_length, num_samples, extra, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# BlendedDataset indices
-
-# blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
-# handles at most SIDE_BY_SIDE_CELLS datasets x chunks, which keeps its arrays in the CPU cache
-CHUNK, WARM_UP, SIDE_BY_SIDE_CELLS = 512, 64, 1 << 17
-
-
-def blending_indices(weights, size=None):
-    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64).
-
-    With `size`: `size` draws where step s takes the dataset d maximising weights[d] * max(s, 1) - draws[d] (the
-    first on ties), in float64 exactly as megatron's C++ does. Without: `weights` are integer sample counts, which
-    are drawn exactly (a dataset drops out once used up), with weights = counts / sum(counts).
-
-    The greedy is sequential and 10M Python steps are too slow, so it runs in chunks of steps side by side, one numpy
-    operation advancing every chunk by a step. Each chunk starts from a guess of the draws before its first step:
-    weights * step rounded by largest remainder, WARM_UP steps earlier, then the greedy run up to the chunk (it
-    forgets where it started within a few dozen steps). A chunk whose start differs from where the chunk before it
-    really ended is run again from there, until none differs, so the result is exact whatever the guesses.
-    """
-    if size is None:
-        quotas = np.asarray(weights, dtype=np.int64)
-        size = int(quotas.sum())
-        weights = quotas / float(size)
-    else:
-        quotas = None
-        weights = np.asarray(weights, dtype=np.float64)
-    num_chunks = -(-size // CHUNK)
-    first_steps = np.arange(num_chunks, dtype=np.int64) * CHUNK
-    start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
-    guess_steps = first_steps[1:] - WARM_UP
-    guess = _largest_remainder(weights * (guess_steps - 1)[:, None], guess_steps)
-    if quotas is not None:
-        np.minimum(guess, quotas, out=guess)
-    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, WARM_UP)
-
-    dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
-    dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
-    end_draws = np.empty_like(start_draws)
-    todo = np.arange(num_chunks)
-    while todo.size:
-        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], CHUNK,
-                                  (dataset_index, dataset_sample_index, todo))
-        todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
-        start_draws[todo] = end_draws[todo - 1]
-    return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
-
-
-def _largest_remainder(ideal, totals):
-    """Integer rows near `ideal` that add up to `totals`: floors, plus one for the largest fractional parts."""
-    counts = np.floor(ideal).astype(np.int64)
-    missing = totals - counts.sum(axis=1)
-    rank = np.argsort(np.argsort(counts - ideal, axis=1, kind="stable"), axis=1, kind="stable")
-    return counts + (rank < missing[:, None])
-
-
-def _greedy(weights, quotas, first_steps, draws, steps, record=None):
-    """The draws after running the blending greedy for `steps` steps from each row of `draws` (the draws before
-    step `first_steps[row]`). With record = (dataset_index, dataset_sample_index, rows), step t of row i is written to
-    column t of row rows[i] of both."""
-    num_datasets = len(weights)
-    weight_column = weights[:, None]
-    quota_column = None if quotas is None else quotas[:, None]
-    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    end_draws = np.empty_like(draws)
-    per_group = max(1, SIDE_BY_SIDE_CELLS // num_datasets)  # keeps each operation's arrays in the CPU cache
-    for group_start in range(0, len(draws), per_group):
-        group = slice(group_start, group_start + per_group)
-        chunks = len(draws[group])
-        counts = np.ascontiguousarray(draws[group].T, dtype=np.float64)  # (datasets, chunks): reduce along rows
-        flat_counts = counts.reshape(-1)
-        columns = np.arange(chunks)
-        if record is not None:
-            rows = record[2][group]
-            in_place = rows[-1] - rows[0] + 1 == chunks  # consecutive rows: write straight into the output
-            picks = record[0][rows[0]:rows[-1] + 1] if in_place else np.empty((chunks, steps), np.int16)
-            samples = record[1][rows[0]:rows[-1] + 1] if in_place else np.empty((chunks, steps), np.int64)
-        step = np.empty(chunks)
-        error = np.empty((num_datasets, chunks))
-        largest = np.empty(chunks)
-        is_largest = np.empty((num_datasets, chunks), dtype=bool)
-        ranked = np.empty((num_datasets, chunks), dtype=np.int16)
-        for t in range(steps):
-            np.add(first_steps[group], t, out=step)
-            np.maximum(step, 1.0, out=step)
-            np.multiply(weight_column, step, out=error)
-            np.subtract(error, counts, out=error)
-            if quota_column is not None:
-                np.putmask(error, counts >= quota_column, -np.inf)
-            if num_datasets == 2:
-                pick = (error[1] > error[0]).astype(np.int64)
-            else:  # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
-                np.max(error, axis=0, out=largest)
-                np.equal(error, largest, out=is_largest)
-                np.multiply(is_largest, first_on_ties, out=ranked)
-                pick = num_datasets - ranked.max(axis=0).astype(np.int64)
-            where = pick * chunks + columns
-            if record is not None:
-                picks[:, t] = pick
-                samples[:, t] = flat_counts[where]
-            flat_counts[where] += 1
-        if record is not None and not in_place:
-            record[0][rows], record[1][rows] = picks, samples
-        end_draws[group] = counts.T
-    return end_draws
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The on-disk index cache
-
-
-def _cached(cache_dir, name, key, build, write):
-    """The arrays `build()` returns, kept in `cache_dir` as `{hash}-{name}-{array}.npy` under a hash of `key`.
-
-    `key` holds everything that determines the arrays. A manifest, written last, records the key and a checksum of
-    each file; a cache whose manifest is missing or disagrees is rebuilt, never trusted. Every file is written
-    under a temporary name and renamed, so a reader sees whole files or none.
-    """
-    if cache_dir is None:
-        return build()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    base = os.path.join(cache_dir, f"{digest}-{name}")
-    manifest_path = base + ".json"
-    if os.path.exists(manifest_path):
-        try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-            if manifest["key"] != key:
-                raise ValueError("its key differs")
-            for array_name, checksum in manifest["checksums"].items():
-                if _file_checksum(f"{base}-{array_name}.npy") != checksum:
-                    raise ValueError(f"{base}-{array_name}.npy has changed")
-            return {array_name: np.load(f"{base}-{array_name}.npy", mmap_mode="r")
-                    for array_name in manifest["checksums"]}
-        except Exception as error:  # whatever is wrong with it, a rebuild is the cure
-            _log(f"{manifest_path}: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
-    arrays = build()
-    if write:
-        os.makedirs(cache_dir, exist_ok=True)
-        checksums = {}
-        for array_name, values in arrays.items():
-            path = f"{base}-{array_name}.npy"
-            _write_atomically(path, lambda f, values=values: np.save(f, values))
-            checksums[array_name] = _file_checksum(path)
-        manifest = json.dumps({"key": key, "checksums": checksums}, indent=1)
-        _write_atomically(manifest_path, lambda f: f.write(manifest.encode()))
-    return arrays
-
-
-def _file_checksum(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:  # read, not mapped: checking a file does not grow the process's memory
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _write_atomically(path, write):
-    partial = f"{path}.partial{os.getpid()}"
-    with open(partial, "wb") as f:
-        write(f)
-    os.replace(partial, path)
-
-
-def _distributed():
-    """(rank, world size) of the initialized torch.distributed group, else (0, 1). Never imports torch itself:
-    a process that has not imported it has no process group."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _log(message):
-    if _distributed()[0] == 0:
-        print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # Datasets
 
 
@@ -579,24 +457,20 @@ class GPTDataset:
     def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
                  split="train", cache_dir=None, write_cache=True):
         self.dataset, self.seq_length, self.extra = dataset, seq_length, int(add_extra_token)
-        lengths = dataset.sequence_lengths
-        key = {
-            "format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "sequences": [begin, end],
-            "lengths_sha256": hashlib.sha256(np.ascontiguousarray(lengths[begin:end]).view(np.uint8)).hexdigest(),
-            "longest_sequence": int(lengths.max()) if len(lengths) else 0,  # decides the sample index dtype
-            "num_samples": num_samples, "seq_length": seq_length, "seed": seed, "add_extra_token": bool(self.extra),
-        }
+        key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "source": source_key(dataset),
+               "sequences": [begin, end], "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
+               "add_extra_token": bool(self.extra)}
 
         def build():
             t0 = time.time()
             document_index, sample_index, shuffle_index = gpt_indices(
-                lengths, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
+                dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
                 add_extra_token=add_extra_token)
-            _log(f"{dataset.path_prefix}: {split} indices, {len(shuffle_index)} samples of {seq_length} tokens from "
+            log(f"{dataset.path_prefix}: {split} indices, {len(shuffle_index)} samples of {seq_length} tokens from "
                  f"{len(document_index)} sequences, built in {time.time() - t0:.2f}s")
             return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
-        arrays = _cached(cache_dir, f"GPTDataset-{split}", key, build, write_cache)
+        arrays = cached(cache_dir, f"GPTDataset-{split}", key, build, write_cache)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
@@ -642,16 +516,15 @@ class BlendedDataset:
         def build():
             t0 = time.time()
             dataset_index, dataset_sample_index = blending_indices(weights, size)
-            _log(f"{split} blend of {len(datasets)} datasets, {len(dataset_index)} samples, built in "
+            draws = np.bincount(dataset_index, minlength=len(datasets)).astype(np.int64)
+            log(f"{split} blend of {len(datasets)} datasets, {len(dataset_index)} samples, built in "
                  f"{time.time() - t0:.2f}s")
-            return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+            return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index, "draws": draws}
 
-        arrays = _cached(cache_dir, f"BlendedDataset-{split}", key, build, write_cache)
+        arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build, write_cache)
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
-        draws = sum((np.bincount(self.dataset_index[i:i + (1 << 20)], minlength=len(datasets))
-                     for i in range(0, len(self.dataset_index), 1 << 20)), np.zeros(len(datasets), np.int64))
-        for dataset, drawn in zip(datasets, draws):
+        for dataset, drawn in zip(datasets, arrays["draws"]):
             if drawn > len(dataset):
                 raise ValueError(f"{dataset.dataset.path_prefix}: the {split} blend draws {drawn} samples from it, "
                                  f"more than its {len(dataset)} (megatron-core raises IndexError here too)")
@@ -665,15 +538,20 @@ class BlendedDataset:
         return self.datasets[self.dataset_index[i]][self.dataset_sample_index[i]]
 
 
-def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None):
+def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
+                       fallback_cache_dir=None):
     """(train, valid, test) as megatron-core's BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...).build() makes
     them; each is None when that split has no samples (a zero ratio in `split`, or nothing in it and no size asked).
 
     paths: a prefix, a glob (its sorted prefixes, unweighted) or a Megatron blend list ["30", p0, "70", p1].
+      An unweighted list of several prefixes is one epoch of each at most, as in megatron; for more, weight them
+      (token_weighted_blend).
     sizes: the number of samples wanted per split; None = one epoch of it. A split is built in whole epochs, so it
       usually holds more. A weighted blend needs a size for every split with a non-zero ratio.
-    cache_dir: where the indices are kept between runs (None: built in memory every time). Under torch.distributed,
-      rank 0 builds and writes them while the other ranks wait, then they load them (or raise if rank 0 failed).
+    cache_dir: where the indices are kept between runs. None: beside the data as megatron-core keeps them
+      (`<prefix>/cache/GPTDataset_indices`), or in `fallback_cache_dir` where that is not writable (or nowhere if
+      that is None too). Under torch.distributed, rank 0 builds and writes them while the other ranks wait, then
+      they load them (or raise if rank 0 failed).
     """
     if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
@@ -691,45 +569,18 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         if missing:
             raise ValueError(f"a weighted blend needs a size for every split it builds; {missing} have None")
         sizes = [0 if s is None else s for s in sizes]
+    dirs, blend_dir = cache_dirs(prefixes, cache_dir, fallback_cache_dir, len(prefixes) > 1 or weights is not None)
 
     def build(write_cache):
-        options = dict(seq_length=seq_length, seed=seed, cache_dir=cache_dir, write_cache=write_cache)
+        options = dict(seq_length=seq_length, seed=seed, write_cache=write_cache, split_string=split)
         if weights is None and len(prefixes) == 1:
-            return [_gpt_split(datasets[0], matrix, i, sizes[i], split, **options) for i in range(3)]
-        if weights is not None:  # samples per dataset and split: blended (target), and built with 0.5% surplus
-            weights_once = normalize(weights)
-            targets = [[math.ceil(size * w) for size in sizes] for w in weights_once]
-            buffers = [[math.ceil(math.ceil(size * w) * (1 + 0.005)) for size in sizes] for w in weights_once]
-        result = []
-        for i in range(3):
-            if matrix[i] is None:
-                result.append(None)
-                continue
-            parts = [_gpt_split(ds, matrix, i, None if weights is None else buffers[d][i], split, **options)
-                     for d, ds in enumerate(datasets)]
-            if weights is not None:
-                blend_weights, blend_size = weights_once, sum(targets[d][i] for d in range(len(datasets)))
-            else:
-                blend_weights = [0 if part is None else len(part) for part in parts]
-                blend_size = None if sizes[i] is None else min(sizes[i], sum(blend_weights))
-                if sizes[i] is not None and blend_size < sizes[i]:
-                    _log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, "
-                         f"fewer than the {sizes[i]} asked")
-            if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
-                result.append(None)
-                continue
-            for ds, part in zip(datasets, parts):
-                if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
-                    raise ValueError(f"{ds.path_prefix}: its {SPLITS[i]} split ({split!r}) has no samples of "
-                                     f"{seq_length} tokens, so it cannot take part in the blend")
-            result.append(BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i],
-                                         cache_dir=cache_dir, write_cache=write_cache))
-        return result
+            return [_gpt_split(datasets[0], matrix, i, sizes[i], cache_dir=dirs[0], **options) for i in range(3)]
+        return [_blend_split(datasets, weights, matrix, i, sizes[i], dirs, blend_dir, **options) for i in range(3)]
 
-    rank, world_size = _distributed()
-    if cache_dir is None or world_size == 1:
+    rank, world_size = distributed()
+    if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
         return tuple(build(write_cache=True))
-    import torch.distributed as dist
+    import torch.distributed as dist  # a process group exists, so torch is already imported
 
     # rank 0 builds and writes while the others wait; they learn whether it failed, so nobody waits forever
     if rank == 0:
@@ -749,7 +600,35 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     return tuple(result)
 
 
-def _gpt_split(dataset, matrix, i, num_samples, split, **options):
+def _blend_split(datasets, weights, matrix, i, size, dirs, blend_dir, *, split_string, **options):
+    """Split i of a blend as megatron-core builds it, or None when the split is absent or has no samples."""
+    if matrix[i] is None:
+        return None
+    if weights is not None:  # samples per dataset: blended (target), and built with megatron's 0.5% surplus
+        weights = normalize(weights)
+        targets = [math.ceil(size * w) for w in weights]
+        parts = [_gpt_split(ds, matrix, i, math.ceil(target * (1 + 0.005)), split_string, cache_dir=d, **options)
+                 for ds, target, d in zip(datasets, targets, dirs)]
+        blend_weights, blend_size = weights, sum(targets)
+    else:  # one epoch of each, in proportion to their samples
+        parts = [_gpt_split(ds, matrix, i, None, split_string, cache_dir=d, **options)
+                 for ds, d in zip(datasets, dirs)]
+        blend_weights = [0 if part is None else len(part) for part in parts]
+        blend_size = None if size is None else min(size, sum(blend_weights))
+        if size is not None and blend_size < size:
+            log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, fewer than "
+                 f"the {size} asked (token_weighted_blend gives a blend that can be repeated)")
+    if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
+        return None
+    for ds, part in zip(datasets, parts):
+        if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
+            raise ValueError(f"{ds.path_prefix}: its {SPLITS[i]} split ({split_string!r}) has no samples of "
+                             f"{options['seq_length']} tokens, so it cannot take part in the blend")
+    return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
+                          write_cache=options["write_cache"])
+
+
+def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
     """The GPTDataset of split i of one prefix, or None when the split is absent or yields no samples."""
     if matrix[i] is None:
         return None
@@ -757,19 +636,26 @@ def _gpt_split(dataset, matrix, i, num_samples, split, **options):
     tokens = int(dataset.sequence_lengths[begin:end].sum(dtype=np.int64))
     if tokens == 0:
         if num_samples:  # megatron-core loops forever here
-            raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split!r} of {len(dataset)} sequences: "
-                             f"[{begin}, {end})) has no tokens, but {num_samples} samples were asked of it")
+            raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split_string!r} of {len(dataset)} "
+                             f"sequences: [{begin}, {end})) has no tokens, but {num_samples} samples were asked of it")
         return None
     ds = GPTDataset(dataset, begin, end, num_samples=num_samples, split=SPLITS[i], **options)
     return ds if len(ds) else None
 
 
-class SequentialSamples:
-    """Non-overlapping windows of a token stream, in order: item i = tokens [i*L, i*L + L), labels shifted by one."""
+# ----------------------------------------------------------------------------------------------------------------------
+# Validation: windows of a token stream, in order
 
-    def __init__(self, pieces, seq_length, max_samples=None):
-        self.pieces = pieces  # [(IndexedDataset, sequence ids), ...] in stream order
-        self.seq_length = seq_length
+
+class TokenWindows:
+    """Windows of a token stream in order: window k is stream[k*T : k*T + T + 1], returned as {"tokens": its first T,
+    "labels": its last T} (int64), so consecutive windows share one token, as llm.c's loader reads.
+
+    pieces: [(dataset, sequence ids), ...] that make the stream, in order; a dataset needs only sequence_lengths and
+    get(i, offset, length)."""
+
+    def __init__(self, pieces, seq_length, length):
+        self.pieces, self.seq_length, self.length = pieces, seq_length, length
         self.piece_starts = []  # token offsets in the stream of each piece's sequences, plus its end
         total = 0
         for dataset, sequences in pieces:
@@ -780,9 +666,6 @@ class SequentialSamples:
             total = int(starts[-1])
             self.piece_starts.append(starts)
         self.num_tokens = total
-        self.length = max(0, (total - 1) // seq_length)
-        if max_samples is not None:
-            self.length = min(self.length, max_samples)
 
     def __len__(self):
         return self.length
@@ -805,9 +688,41 @@ class SequentialSamples:
         return {"tokens": text[:-1], "labels": text[1:]}
 
 
+class _Tokens:
+    """A few tokens posing as a one-sequence dataset, to lead a TokenWindows stream."""
+
+    def __init__(self, tokens):
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.sequence_lengths = np.array([len(self.tokens)], dtype=np.int64)
+
+    def get(self, i, offset=0, length=None):
+        return self.tokens[offset:None if length is None else offset + length]
+
+
+class LLMCValWindows(TokenWindows):
+    """llm.c's validation batches: the stream [eot] + every document of `path_prefix` (a prefix or glob: its sorted
+    prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes; llm.c's val
+    shard is this stream (its first token is the EOT that starts each document there)."""
+
+    def __init__(self, path_prefix, seq_length, num_tokens, eot=EOT):
+        if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
+            raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+        if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        prefixes = resolve_blend(path_prefix)[0]
+        pieces = [(_Tokens([eot]), np.arange(1))]
+        pieces += [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
+        windows = int(num_tokens) // int(seq_length)
+        super().__init__(pieces, int(seq_length), windows)
+        if self.num_tokens < windows * seq_length + 1:
+            raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds {self.num_tokens} tokens "
+                             f"(with the leading EOT), fewer than the {windows * seq_length + 1} that {windows} "
+                             f"windows of {seq_length} need (num_tokens {num_tokens})")
+
+
 def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
     """The validation view of one split: its sequences (prefix order, then sequence order; blend weights ignored)
-    as one stream cut into non-overlapping windows of seq_length + 1 tokens, in order (llm.c's validation).
+    as one stream cut into windows of seq_length + 1 tokens, in order (TokenWindows).
 
     None when the split has a zero ratio; a ValueError when it holds less than one window."""
     if split_index not in (0, 1, 2):
@@ -816,20 +731,18 @@ def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, ma
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if max_samples is not None and max_samples < 0:
         raise ValueError(f"max_samples must be None or >= 0, got {max_samples!r}")
-    seq_length = int(seq_length)
     prefixes, _ = resolve_blend(paths)
-    matrix = split_matrix(split)
-    if matrix[split_index] is None:
+    bookends = split_matrix(split)[split_index]
+    if bookends is None:
         return None
-    pieces = []
-    for prefix in prefixes:
-        dataset = IndexedDataset(prefix)
-        begin, end = split_range(len(dataset), matrix[split_index])
-        pieces.append((dataset, np.arange(begin, end)))
-    samples = SequentialSamples(pieces, seq_length, max_samples)
+    pieces = [(ds, np.arange(*split_range(len(ds), bookends))) for ds in map(IndexedDataset, prefixes)]
+    samples = TokenWindows(pieces, int(seq_length), 0)
     if samples.num_tokens < seq_length + 1:
         raise ValueError(f"{', '.join(prefixes)}: the {SPLITS[split_index]} split ({split!r}) holds "
                          f"{samples.num_tokens} tokens, less than one window of seq_length + 1 = {seq_length + 1}")
+    samples.length = (samples.num_tokens - 1) // seq_length
+    if max_samples is not None:
+        samples.length = min(samples.length, max_samples)
     return samples
 
 
@@ -859,105 +772,3 @@ class PretrainingSampler:
         for k in range(len(self)):
             first = self.consumed_samples + k * global_batch + self.rank * self.micro_batch_size
             yield list(range(first, first + self.micro_batch_size))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Command line: info and verify
-
-
-def info(paths):
-    """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
-    prefixes = _cli_prefixes(paths)
-    totals = np.zeros(3, dtype=np.int64)
-    for prefix in prefixes:
-        ds = IndexedDataset(prefix)
-        lengths = ds.sequence_lengths
-        counts = np.array([ds.num_documents, len(ds), ds.num_tokens])
-        totals += counts
-        spread = (f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
-                  if len(lengths) else "")
-        print(f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens ({ds.dtype}); "
-              f".bin {os.path.getsize(prefix + '.bin'):,} bytes, .idx {os.path.getsize(prefix + '.idx'):,} bytes"
-              + spread)
-    if len(prefixes) > 1:
-        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} sequences, "
-              f"{totals[2]:,} tokens")
-
-
-def verify(paths, vocab_size=None):
-    """Check every prefix end to end: the index's internal consistency, the .bin's exact size, and every token
-    (below `vocab_size` when given). Returns the list of problems (empty if all is well)."""
-    from tqdm import tqdm
-
-    problems = []
-    for prefix in _cli_prefixes(paths):
-        problems_before = len(problems)
-        try:
-            ds = IndexedDataset(prefix)
-        except (ValueError, FileNotFoundError) as error:
-            problems.append(str(error))
-            continue
-        lengths, itemsize = ds.sequence_lengths.astype(np.int64), ds.dtype.itemsize
-        expected_pointers = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1] * itemsize, out=expected_pointers[1:])
-        bad = np.flatnonzero(ds.sequence_pointers != expected_pointers)
-        if (lengths < 0).any():
-            problems.append(f"{prefix}.idx: negative sequence lengths at {np.flatnonzero(lengths < 0)[:5].tolist()}")
-        if bad.size:
-            problems.append(f"{prefix}.idx: {bad.size} sequence pointers are not the running sum of the lengths "
-                            f"(first at sequence {bad[0]})")
-        if (np.diff(ds.document_indices) < 0).any():
-            problems.append(f"{prefix}.idx: document boundaries decrease")
-        bin_size, expected_size = os.path.getsize(prefix + ".bin"), int(lengths.sum()) * itemsize
-        if bin_size != expected_size:
-            problems.append(f"{prefix}.bin: {bin_size} bytes, but its sequences take {expected_size}")
-        low, high, step = None, None, 1 << 26
-        tokens = ds._tokens
-        with tqdm(total=len(tokens), unit="tok", unit_scale=True, desc=os.path.basename(prefix), file=sys.stderr,
-                  disable=len(tokens) < 10 * step) as progress:
-            for start in range(0, len(tokens), step):
-                part = tokens[start:start + step]
-                low = part.min() if low is None else min(low, part.min())
-                high = part.max() if high is None else max(high, part.max())
-                progress.update(len(part))
-        if vocab_size is not None and high is not None and (high >= vocab_size or low < 0):
-            problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary [0, {vocab_size})")
-        status = "ok" if len(problems) == problems_before else "PROBLEMS"
-        print(f"{prefix}: {status}: {ds.num_documents:,} documents, "
-              f"{len(ds):,} sequences, {ds.num_tokens:,} tokens, ids in [{low}, {high}]")
-    return problems
-
-
-def _cli_prefixes(paths):
-    """Prefixes from the command line: one prefix or quoted glob, or the files an unquoted glob expanded to."""
-    if len(paths) == 1:
-        path = paths[0]
-        return resolve_blend(path[:-4] if path.endswith((".bin", ".idx")) else path)[0]
-    return sorted({p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths})
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="documents, sequences, tokens, dtype and sizes").add_argument(
-        "paths", metavar="PREFIX_OR_GLOB", nargs="+")
-    verify_parser = commands.add_parser("verify", help="check the index and read every token")
-    verify_parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
-    verify_parser.add_argument("--vocab-size", type=int, default=None, help="fail on token ids >= this")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "info":
-            info(args.paths)
-            return 0
-        problems = verify(args.paths, args.vocab_size)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    for problem in problems:
-        print(f"problem: {problem}", file=sys.stderr)
-    print("OK" if not problems else f"{len(problems)} problem(s)")
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

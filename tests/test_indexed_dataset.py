@@ -1,5 +1,6 @@
-"""indexed_dataset.py: the .bin/.idx files against megatron-core 0.16.1, bad input, the index cache, the sampler, the
-validation view and the command line. GPT sampling and blending against megatron-core: test_indexed_megatron.py."""
+"""indexed_dataset.py: the .bin/.idx files against megatron-core 0.16.1, bad input, the index cache, the sampler and
+the validation views (the command line: test_dataset_tools.py). GPT sampling and blending against megatron-core:
+test_indexed_megatron.py."""
 import glob
 import json
 import os
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, PretrainingSampler, build_gpt_datasets,
-                             optimal_dtype, resolve_blend, sequential_samples, split_matrix)
+from dataset_tools import verify_cache
+from indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, LLMCValWindows, PretrainingSampler,
+                             build_gpt_datasets, optimal_dtype, resolve_blend, sequential_samples, split_matrix)
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
     warnings.simplefilter("ignore")
@@ -204,6 +206,42 @@ def test_bad_files_raise_naming_the_file(dataset, damage, error):
         IndexedDataset(dataset)
 
 
+def index_layout(prefix):
+    """(sequence count, document boundary count) and the byte offsets of the lengths, pointers and boundaries."""
+    ds = IndexedDataset(prefix)
+    count, boundaries = len(ds), len(ds.document_indices)
+    del ds
+    return count, boundaries, 34, 34 + 4 * count, 34 + 12 * count
+
+
+# one defect each: the index disagrees with itself or with the .bin, which would otherwise train silently
+@pytest.mark.parametrize("defect, error", [
+    ("dtype code", r"data_text_document\.idx: corrupt: sequence \d+ starts at byte \d+ of the \.bin, but the lengths "
+                   r"before it put it at byte \d+ \(uint8 tokens\): a wrong dtype code"),
+    ("length", r"\.idx: corrupt: sequence 4 starts at byte \d+ of the \.bin, but the lengths before it put it at"),
+    ("pointer", r"\.idx: corrupt: sequence 7 starts at byte 1 of the \.bin"),
+    ("negative length", r"\.idx: corrupt: sequence 2 has a negative length -5"),
+    ("longer bin", r"data_text_document\.bin: \d+ bytes, longer than the \d+ bytes its index .*\.idx says"),
+    ("document count", r"data_text_document\.idx: truncated: its header announces \d+ sequences and \d+ documents"),
+    ("decreasing boundaries", r"\.idx: corrupt: document boundaries decrease"),
+])
+def test_inconsistent_index_raises_on_open(dataset, defect, error):
+    count, boundaries, lengths_at, pointers_at, boundaries_at = index_layout(dataset)
+    length_3 = struct.unpack_from("<i", open(dataset + ".idx", "rb").read(), lengths_at + 12)[0]
+    damage = {
+        "dtype code": dict(suffix=".idx", offset=17, data=bytes([1])),
+        "length": dict(suffix=".idx", offset=lengths_at + 12, data=struct.pack("<i", length_3 + 1)),
+        "pointer": dict(suffix=".idx", offset=pointers_at + 7 * 8, data=struct.pack("<q", 1)),
+        "negative length": dict(suffix=".idx", offset=lengths_at + 8, data=struct.pack("<i", -5)),
+        "longer bin": dict(suffix=".bin", append=b"\0\0"),
+        "document count": dict(suffix=".idx", offset=26, data=struct.pack("<Q", boundaries + 1)),
+        "decreasing boundaries": dict(suffix=".idx", offset=boundaries_at + 16, data=struct.pack("<q", count)),
+    }[defect]
+    corrupt(dataset, **damage)
+    with pytest.raises(ValueError, match=error):
+        IndexedDataset(dataset)
+
+
 def test_corrupt_document_boundaries(dataset):
     ds = IndexedDataset(dataset)
     last_boundary = 34 + 12 * len(ds) + 8 * ds.num_documents
@@ -290,22 +328,20 @@ def test_cache_is_built_once_then_loaded(dataset, tmp_path, capfd):
     assert len(os.listdir(cache)) == 3 * 4 + 4
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "manifest", "missing"])
+@pytest.mark.parametrize("damage", ["truncate", "description", "missing"])
 def test_damaged_cache_is_rebuilt(dataset, tmp_path, capfd, damage):
     cache = str(tmp_path / "cache")
     expected = build(dataset, None)
     build(dataset, cache)
     capfd.readouterr()
     [sample_index] = glob.glob(os.path.join(cache, "*-GPTDataset-train-sample_index.npy"))
-    if damage == "flip":
-        corrupt(sample_index[:-len(".npy")], ".npy", offset=os.path.getsize(sample_index) - 3, data=b"\x7f")
-    elif damage == "truncate":
+    if damage == "truncate":
         corrupt(sample_index[:-len(".npy")], ".npy", size=os.path.getsize(sample_index) // 2)
-    elif damage == "manifest":
-        manifest_path = sample_index.replace("-sample_index.npy", ".json")
-        manifest = json.load(open(manifest_path))
-        manifest["key"]["seed"] += 1
-        json.dump(manifest, open(manifest_path, "w"))
+    elif damage == "description":
+        description_path = sample_index.replace("-sample_index.npy", ".json")
+        description = json.load(open(description_path))
+        description["key"]["seed"] += 1
+        json.dump(description, open(description_path, "w"))
     else:
         os.remove(sample_index)
     rebuilt = build(dataset, cache)
@@ -316,7 +352,17 @@ def test_damaged_cache_is_rebuilt(dataset, tmp_path, capfd, damage):
     assert capfd.readouterr().err == ""  # the repaired entry is used
 
 
-def test_cache_follows_the_data_not_the_path(tmp_path, capfd):
+def test_verify_cache_finds_what_a_load_does_not_check(dataset, tmp_path):
+    cache = str(tmp_path / "cache")
+    build(dataset, cache)
+    [sample_index] = glob.glob(os.path.join(cache, "*-GPTDataset-train-sample_index.npy"))
+    assert verify_cache(cache) == []
+    # a flipped byte keeps the size: loading (which checks keys, shapes and sizes) trusts it, verify-cache does not
+    corrupt(sample_index[:-len(".npy")], ".npy", offset=os.path.getsize(sample_index) - 3, data=b"\x7f")
+    assert verify_cache(cache) == [f"{sample_index}: its contents differ from when it was written"]
+
+
+def test_cache_is_rebuilt_when_the_data_changes(tmp_path, capfd):
     prefix, cache = str(tmp_path / "data"), str(tmp_path / "cache")
     write_ours(prefix, random_documents(np.random.default_rng(5), 300))
     build(prefix, cache)
@@ -338,6 +384,55 @@ def test_blend_cache(tmp_path, capfd):
     cached = build(blend, cache)
     assert capfd.readouterr().err == "" and isinstance(cached[0].dataset_index, np.memmap)
     assert all(same_samples(a, b) for a, b in zip(expected, cached))
+
+
+def cache_entries(directory):
+    return sorted(glob.glob(os.path.join(directory, "*.json")))
+
+
+def test_cache_dir_none_keeps_the_indices_beside_the_data(tmp_path, capfd):
+    rng = np.random.default_rng(10)
+    prefixes = [write_ours(str(tmp_path / f"p{i}_text_document"), random_documents(rng, 300)) for i in range(2)]
+    fresh = build(prefixes, None)
+    # megatron-core's default place for a GPTDataset's indices; the blend's go beside the first prefix
+    assert len(cache_entries(os.path.join(prefixes[0], "cache", "GPTDataset_indices"))) == 3
+    assert len(cache_entries(os.path.join(prefixes[1], "cache", "GPTDataset_indices"))) == 3
+    assert len(cache_entries(os.path.join(prefixes[0], "cache", "BlendedDataset_indices"))) == 3
+    capfd.readouterr()
+    again = build(prefixes, None)
+    assert "built in" not in capfd.readouterr().err  # loaded, not rebuilt
+    assert all(same_samples(a, b) for a, b in zip(fresh, again))
+
+
+def deny_writes(monkeypatch, directory):
+    """Make os.access say `directory` and what is under it cannot be written. Tests run as root, for whom os.access
+    ignores the mode bits (a chmod 0o555 alone would not show), so it answers here as it would for a user."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: (not str(path).startswith(str(directory))
+                                                          and real_access(path, mode)))
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_read_only_data_dir_uses_the_fallback_cache_dir(tmp_path, capfd, monkeypatch, fallback):
+    data = tmp_path / "data"
+    data.mkdir()
+    prefix = write_ours(str(data / "d_text_document"), random_documents(np.random.default_rng(11), 300))
+    os.chmod(data, 0o555)
+    deny_writes(monkeypatch, data)
+    try:
+        fallback_dir = str(tmp_path / "out") if fallback else None
+        datasets = build_gpt_datasets(prefix, seq_length=16, split="90,8,2", sizes=(2000, 100, 30),
+                                      fallback_cache_dir=fallback_dir)
+    finally:
+        os.chmod(data, 0o755)
+    assert not os.path.exists(os.path.join(prefix, "cache"))
+    err = capfd.readouterr().err
+    assert err.count("built in") == 3
+    if fallback:
+        assert len(cache_entries(fallback_dir)) == 3
+    else:
+        assert "not writable and no fallback cache directory" in err
+    assert all(same_samples(a, b) for a, b in zip(datasets, build(prefix, str(tmp_path / "cache"))))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -366,6 +461,26 @@ def test_sequential_samples_read_the_split_in_order(tmp_path):
         sequential_samples(prefixes, seq_length=10**6, split="70,30")
     with pytest.raises(IndexError):
         samples[len(samples)]
+
+
+def test_llmc_val_windows_read_the_eot_led_stream(tmp_path):
+    rng = np.random.default_rng(12)
+    documents = [np.append(rng.integers(0, 50256, rng.integers(1, 40)), 50256) for _ in range(30)]
+    prefix = str(tmp_path / "val_text_document")
+    write_ours(prefix, [(d, [len(d)]) for d in documents])
+    stream = np.concatenate([[50256]] + documents).astype(np.int64)  # llm.c's val shard: EOT, then each document
+    T = 16
+    windows = LLMCValWindows(prefix, T, num_tokens=len(stream) - 1 - 3 * T)
+    assert len(windows) == (len(stream) - 1 - 3 * T) // T
+    for k in range(len(windows)):
+        assert windows[k]["tokens"].dtype == windows[k]["labels"].dtype == np.int64
+        assert np.array_equal(windows[k]["tokens"], stream[T * k:T * k + T])
+        assert np.array_equal(windows[k]["labels"], stream[T * k + 1:T * k + T + 1])
+    assert len(LLMCValWindows(prefix, T, num_tokens=(len(stream) - 1) // T * T)) == (len(stream) - 1) // T
+    too_many = ((len(stream) - 1) // T + 1) * T
+    with pytest.raises(ValueError, match=rf"val_text_document\.bin: the stream holds {len(stream)} tokens .*fewer "
+                                         rf"than the {too_many + 1} that {too_many // T} windows of {T} need"):
+        LLMCValWindows(prefix, T, num_tokens=too_many)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -406,46 +521,6 @@ def test_sampler_drives_a_dataloader(dataset):
     batch = next(iter(loader))
     assert batch["tokens"].shape == (4, 16) and batch["tokens"].dtype == torch.int64
     assert torch.equal(batch["tokens"][0], torch.from_numpy(train[12]["tokens"]))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The command line
-
-
-def cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "indexed_dataset.py"), *args],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_cli_info_and_verify(tmp_path):
-    rng = np.random.default_rng(9)
-    documents = random_documents(rng, 50, vocab=500)
-    prefixes = [write_ours(str(tmp_path / f"d{i}_text_document"), documents) for i in range(2)]
-    tokens = sum(len(t) for t, _ in documents)
-    sequences = sum(len(lengths) for _, lengths in documents)
-    result = cli("info", str(tmp_path / "d*_text_document*"))
-    assert result.returncode == 0, result.stderr
-    assert f"{prefixes[0]}: 50 documents, {sequences} sequences, {tokens:,} tokens (uint16)" in result.stdout
-    assert f"total of 2 prefixes: 100 documents, {2 * sequences} sequences, {2 * tokens:,} tokens" in result.stdout
-    expanded = cli("info", *sorted(glob.glob(str(tmp_path / "d*_text_document*"))))  # an unquoted glob
-    assert expanded.returncode == 0 and expanded.stdout == result.stdout
-
-    result = cli("verify", str(tmp_path / "d*_text_document*"), "--vocab-size", "500")
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
-    result = cli("verify", prefixes[0], "--vocab-size", "100")
-    assert result.returncode == 1 and "outside the vocabulary [0, 100)" in result.stderr
-
-    ds = IndexedDataset(prefixes[1])
-    pointer_of_sequence_3 = 34 + 4 * len(ds) + 8 * 3
-    corrupt(prefixes[1], ".idx", offset=pointer_of_sequence_3, data=struct.pack("<q", 2))
-    corrupt(prefixes[1], ".bin", append=b"\0\0")
-    result = cli("verify", prefixes[1])
-    assert result.returncode == 1
-    assert "1 sequence pointers are not the running sum of the lengths (first at sequence 3)" in result.stderr
-    assert f"{prefixes[1]}.bin: {2 * tokens + 2} bytes, but its sequences take {2 * tokens}" in result.stderr
-
-    result = cli("info", str(tmp_path / "missing"))
-    assert result.returncode == 1 and "missing.idx: no such file" in result.stderr
 
 
 def test_indexed_dataset_imports_without_torch():

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 from indexed_dataset import (BlendedDataset, GPTDataset, IndexedDataset, blending_indices, build_gpt_datasets,
-                             gpt_indices, split_matrix, split_range)
+                             gpt_indices, split_matrix, split_range, token_weighted_blend)
 from test_indexed_dataset import random_documents, write_ours
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
@@ -164,6 +164,26 @@ def test_unweighted_glob(tmp_path, capfd, sizes):
         assert_same(their_split, our_split)
     capped = f"train: an unweighted blend is one epoch of each prefix, {len(ours[0])} samples, fewer than the 1000000"
     assert (capped in capfd.readouterr().err) == (sizes[0] == 10**6)
+
+
+def test_token_weighted_blend_trains_past_one_epoch(tmp_path, capfd):
+    # megatron-core caps an unweighted list of prefixes at one epoch of each; a Megatron user wanting more weights
+    # the prefixes, here by their token counts, and then gets as many samples as asked, from whole epochs of each
+    prefixes = make_prefixes(tmp_path, 3)
+    glob_of_prefixes = str(tmp_path / "part_*_text_document*")
+    one_epoch = len(megatron_build(prefixes, (None, None, None), "90,8,2", 16)[0])
+    sizes = (3 * one_epoch + 17, 100, 20)
+    capped = megatron_build(prefixes, sizes, "90,8,2", 16)[0]
+    assert len(capped) == one_epoch  # megatron's unweighted list: one epoch, not the size asked
+    blend = token_weighted_blend(glob_of_prefixes)
+    assert blend == [x for prefix in prefixes for x in (str(IndexedDataset(prefix).num_tokens), prefix)]
+    theirs = megatron_build(blend, sizes, "90,8,2", 16)
+    ours = build_gpt_datasets(blend, seq_length=16, split="90,8,2", sizes=sizes)
+    assert len(ours[0]) >= sizes[0]
+    for their_split, our_split in zip(theirs, ours):
+        assert_same(their_split, our_split)
+    with pytest.raises(ValueError, match="already weighted"):
+        token_weighted_blend(blend)
 
 
 def test_blending_indices_at_scale():
