@@ -1,11 +1,14 @@
 """Plot one or more llm.c-format main.log files against GPT-2 and GPT-3: the picture llm.c's runs are judged by.
 
     python plot_log.py out/main.log [other/main.log ...] -o curves.png
+    python plot_log.py out_gpt2_124m --reference out_openai_gpt2 -o curves.png   # OpenAI's GPT-2 on your val tokens
 
 The layout is llm.c's dev/vislog.ipynb: on the left train and val loss (log-scale y) with OpenAI GPT-2 124M's val loss
 on FineWeb-Edu (3.2924) and on llm.c's FineWeb val (3.424958); on the right HellaSwag acc_norm with GPT-2 124M
 (0.2945) and GPT-3 Small 125M (0.337). Each run's lowest losses and highest HellaSwag are marked on the curves and
-their values and steps written in the legend. A run's out_dir may stand for its main.log.
+their values and steps written in the legend. A run's out_dir may stand for its main.log. Those published baselines
+were measured on build-nanogpt's and llm.c's val tokens; `--reference RUN_DIR` replaces them with a line measured on
+yours, by `train_gpt2.py CONFIG --eval_only=True --init_from=gpt2 --out_dir=RUN_DIR`.
 
 The log is read the way vislog reads it: `s:STEP key:value`, only the first key after the step counts, and a later
 line for a step replaces an earlier one (a resumed run re-logs the steps after its last checkpoint). Lines that do not
@@ -57,8 +60,10 @@ def extreme(points, best):
     return best(finite, key=lambda point: point[1]) if finite else None
 
 
-def plot(runs, out_path, loss_max=None):
-    """Render [(label, streams), ...] into out_path (png, svg, pdf, ... by extension), written atomically."""
+def plot(runs, out_path, loss_max=None, references=()):
+    """Render [(label, streams), ...] into out_path (png, svg, pdf, ... by extension), written atomically.
+    references: [(label, streams), ...] of --eval_only runs, drawn as horizontal lines at their s:0 val loss and
+    HellaSwag; without any, the published OpenAI GPT-2/GPT-3 figures are drawn, labelled with their source."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -91,10 +96,18 @@ def plot(runs, out_path, loss_max=None):
             ax.plot([point[0]], [point[1]], color=color, marker="v" if best is min else "^", markersize=8,
                     markeredgecolor="black")
 
-    loss_ax.axhline(GPT2_VAL_LOSS_FINEWEB_EDU, color="r", linestyle="--", linewidth=1,
-                    label=f"OpenAI GPT-2 (124M) val loss, FineWeb-Edu ({GPT2_VAL_LOSS_FINEWEB_EDU})")
-    loss_ax.axhline(GPT2_VAL_LOSS_FINEWEB, color="m", linestyle=":", linewidth=1,
-                    label=f"OpenAI GPT-2 (124M) val loss, FineWeb ({GPT2_VAL_LOSS_FINEWEB})")
+    for i, (label, streams) in enumerate(references):
+        style = dict(color=f"C{(len(runs) + i) % 10}", linestyle="-.", linewidth=1.5)
+        for key, ax, name in (("tel", loss_ax, "val loss"), ("eval", hellaswag_ax, "HellaSwag")):
+            if streams.get(key):
+                value = streams[key][0][1]
+                ax.axhline(value, label=f"{label} {name} on these val tokens ({value:.4f}, eval_only)", **style)
+    if not references:
+        loss_ax.axhline(GPT2_VAL_LOSS_FINEWEB_EDU, color="r", linestyle="--", linewidth=1,
+                        label=f"OpenAI GPT-2 (124M) val loss on build-nanogpt's FineWeb-Edu val shard "
+                              f"({GPT2_VAL_LOSS_FINEWEB_EDU}, build-nanogpt)")
+        loss_ax.axhline(GPT2_VAL_LOSS_FINEWEB, color="m", linestyle=":", linewidth=1,
+                        label=f"OpenAI GPT-2 (124M) val loss on llm.c's FineWeb val ({GPT2_VAL_LOSS_FINEWEB}, llm.c)")
     loss_ax.set_yscale("log")
     plain_numbers = FuncFormatter(lambda y, _: f"{y:g}")
     loss_ax.yaxis.set_major_formatter(plain_numbers)
@@ -104,10 +117,11 @@ def plot(runs, out_path, loss_max=None):
     loss_ax.set(xlabel="steps", ylabel="loss", title="Loss")
     loss_ax.legend(fontsize=8)
 
-    hellaswag_ax.axhline(GPT2_HELLASWAG, color="r", linestyle="--", linewidth=1,
-                         label=f"OpenAI GPT-2 (124M) checkpoint ({GPT2_HELLASWAG})")
-    hellaswag_ax.axhline(GPT3_HELLASWAG, color="g", linestyle="--", linewidth=1,
-                         label=f"OpenAI GPT-3 (125M) checkpoint ({GPT3_HELLASWAG})")
+    if not any(streams.get("eval") for _, streams in references):
+        hellaswag_ax.axhline(GPT2_HELLASWAG, color="r", linestyle="--", linewidth=1,
+                             label=f"OpenAI GPT-2 (124M) checkpoint ({GPT2_HELLASWAG}, llm.c's vislog)")
+        hellaswag_ax.axhline(GPT3_HELLASWAG, color="g", linestyle="--", linewidth=1,
+                             label=f"OpenAI GPT-3 (125M) checkpoint ({GPT3_HELLASWAG}, GPT-3 paper)")
     if not any(streams.get("eval") for _, streams in runs):
         hellaswag_ax.text(0.5, 0.5, "no HellaSwag evals (eval:) in these logs", ha="center", va="center",
                           transform=hellaswag_ax.transAxes, color="gray")
@@ -143,6 +157,9 @@ def main(argv=None):
     parser.add_argument("-o", "--output", default="curves.png", help="image to write (default curves.png)")
     parser.add_argument("--labels", nargs="+", default=None, help="legend name of each log (default: its folder)")
     parser.add_argument("--loss-max", type=float, default=None, help="top of the loss axis, e.g. 4.0 as in vislog")
+    parser.add_argument("--reference", action="append", default=[], metavar="RUN_DIR",
+                        help="an out_dir of train_gpt2.py --eval_only=True (e.g. OpenAI's gpt2 on your val tokens), "
+                             "drawn as a horizontal line; repeatable")
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.logs):
         parser.error(f"--labels got {len(args.labels)} names for {len(args.logs)} logs")
@@ -153,10 +170,11 @@ def main(argv=None):
         labels = list(args.logs)
     try:
         runs = [(label, parse_log(path)) for label, path in zip(labels, args.logs)]
-        plot(runs, args.output, loss_max=args.loss_max)
+        references = [(os.path.basename(os.path.abspath(path)), parse_log(path)) for path in args.reference]
+        plot(runs, args.output, loss_max=args.loss_max, references=references)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"plot_log.py: error: {e}")
-    for label, streams in runs:
+    for label, streams in runs + references:
         print(summary(label, streams))
     print(f"wrote {args.output}")
 

@@ -144,3 +144,25 @@ def test_logged_hellaswag_equals_the_standalone_cli(demo_log):
     for model in (out_dir, out_dir / "ckpt" / "step_00000006", out_dir / "hf"):
         result = hellaswag.main(["--model", str(model), "--data", FIXTURE, "--limit", "4", "--device", "cpu"])
         assert result["total"] == 4 and round(result["acc_norm"], 4) == logged
+
+
+def test_reference_run_is_drawn_as_a_labelled_line_instead_of_the_published_baselines(tmp_path, monkeypatch):
+    import plot_log
+
+    run, ref = tmp_path / "run", tmp_path / "openai_gpt2"
+    run.mkdir()
+    ref.mkdir()
+    (run / "main.log").write_text("s:0 tel:10.9\ns:0 trl:10.9 lr:0.000001 norm:1.0\ns:1 trl:9.0 lr:0.000002 norm:1.0\n"
+                                  "s:1 tel:8.5\ns:1 eval:0.2600\n")
+    (ref / "main.log").write_text("s:0 tel:3.3100\ns:0 eval:0.2950\n")
+    drawn = []
+    from matplotlib.axes import Axes
+    real = Axes.axhline
+    monkeypatch.setattr(Axes, "axhline", lambda self, y, **kw: drawn.append((y, kw.get("label"))) or real(self, y, **kw))
+    plot_log.main([str(run), "--reference", str(ref), "-o", str(tmp_path / "c.png")])
+    assert (3.31, "openai_gpt2 val loss on these val tokens (3.3100, eval_only)") in drawn
+    assert (0.295, "openai_gpt2 HellaSwag on these val tokens (0.2950, eval_only)") in drawn
+    assert not any(label and "OpenAI" in label for _, label in drawn)  # the published figures give way
+    drawn.clear()
+    plot_log.main([str(run), "-o", str(tmp_path / "d.png")])
+    assert any(label and "build-nanogpt" in label for _, label in drawn)  # without a reference: labelled sources

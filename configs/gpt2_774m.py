@@ -1,0 +1,31 @@
+# GPT-2 774M (d36), following llm.c's scripts/run_gpt2_774M.sh: 36 layers, 20 heads, 1280 wide; 286,102 steps of
+# 524,288 tokens (~150B tokens), lr 2.5e-4 with 700 warmup steps and cosine decay to 0, weight decay 0.1.
+# llm.c trains it on FineWeb sample-100BT (150B tokens: 1.5 epochs); this config uses FineWeb-Edu sample-100BT:
+#   python prepare_fineweb.py --sample 100BT --data-dir fineweb_edu_100b --workers 32   # checks the disk space first
+#   torchrun --standalone --nproc_per_node 8 train_gpt2.py configs/gpt2_774m.py
+data_paths = "fineweb_edu_100b/megatron_gpt2/processed_data_*_text_document"
+split = "100,0,0"  # no Megatron validation split: validation comes from val_data_paths
+val_data_paths = "fineweb_edu_100b/megatron_gpt2/val_text_document"
+seq_length = 1024
+
+n_layer, n_head, n_embd = 36, 20, 1280
+vocab_size = 50257
+padded_vocab_size = 50304
+
+global_batch_size = 512
+local_batch_size = 32  # llm.c: -b 32 on 8 x 80 GB
+max_steps = 286_102
+lr, min_lr = 2.5e-4, 0.0
+lr_warmup_steps = 700
+weight_decay = 0.1
+beta1, beta2 = 0.9, 0.95
+grad_clip = 1.0
+
+val_every_steps = 250
+val_tokens = 10_485_760
+hellaswag = "download"
+ckpt_every_steps = 4000
+out_dir = "out_gpt2_774m"
+
+dtype = "bfloat16"
+compile = True
