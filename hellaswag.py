@@ -16,10 +16,14 @@ import json
 import math
 import os
 import sys
+import urllib.error
 import urllib.request
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from checkpoint import load_model
 from tokenizer import VOCAB_SIZE, gpt2_encoding
@@ -61,22 +65,36 @@ def read_jsonl(path):
     return examples
 
 
-def download(url, path):
-    """Fetch `url` to `path` through a temporary file, so an interrupted download never looks like a cached one."""
-    from tqdm import tqdm
+def fetch(url, path):
+    """Write the body of `url` to `path`; a response shorter than its Content-Length raises ConnectionError."""
+    with open(path, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+        expected = int(response.headers["Content-Length"]) if response.headers.get("Content-Length") else None
+        with tqdm(total=expected, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
+            while chunk := response.read(1 << 20):
+                out.write(chunk)
+                bar.update(len(chunk))
+    received = os.path.getsize(path)
+    if expected is not None and received != expected:
+        raise ConnectionError(f"incomplete ({received} of {expected} bytes)")
 
+
+def download(url, path):
+    """Fetch `url` to `path` through a temporary file, so an interrupted download never looks like a cached one.
+
+    No network (or a failed transfer) raises FileNotFoundError: one line naming the URL, the file it was meant to fill
+    and the two ways round it; FileNotFoundError because what the caller lacks is that file.
+    """
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp_path = f"{path}.{os.getpid()}.tmp"  # per process: ranks downloading at once never share a file
     try:
-        with open(tmp_path, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
-            expected = int(response.headers["Content-Length"]) if response.headers.get("Content-Length") else None
-            with tqdm(total=expected, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
-                while chunk := response.read(1 << 20):
-                    out.write(chunk)
-                    bar.update(len(chunk))
-        received = os.path.getsize(tmp_path)
-        if expected is not None and received != expected:
-            raise OSError(f"{url}: download incomplete ({received} of {expected} bytes)")
+        try:
+            fetch(url, tmp_path)
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise FileNotFoundError(
+                f"{path} is not cached and downloading {url} failed ({reason}); without network, pass a local copy "
+                f"of hellaswag_val.jsonl (hellaswag.py --data PATH, or its path as train_gpt2's hellaswag=) or copy "
+                f"it to {path}") from None
         read_jsonl(tmp_path)  # a corrupt download must fail here, not poison the cache
         os.replace(tmp_path, path)
     finally:
@@ -93,6 +111,13 @@ def load_examples(path=None):
     return read_jsonl(path)
 
 
+class Rendered(NamedTuple):
+    """One example as tokens: the context, its 4 endings (each with its leading space) and the label."""
+    context: list
+    endings: list
+    label: int
+
+
 def render_example(example, enc):
     """(context tokens, [tokens of each of the 4 endings]); an ending gets the space it has after the context."""
     context = enc.encode_ordinary(example["ctx"])
@@ -100,37 +125,63 @@ def render_example(example, enc):
     return context, endings
 
 
-def ending_losses(model, rendered, *, device, autocast_dtype=None):
-    """Sum and mean cross-entropy of each ending of each rendered example: two float32 tensors (N, 4), one forward.
+def render_all(examples):
+    """Every example tokenized, once: a list of Rendered that evaluate() takes in place of the examples, so a training
+    run that scores HellaSwag at every evaluation tokenizes the set only at the start."""
+    enc = gpt2_encoding()
+    return [Rendered(*render_example(example, enc), example["label"]) for example in examples]
 
-    Rows are right-padded: attention is causal, so padding never changes the logits of the real tokens. A row longer
-    than the model's context keeps its last block_size tokens, i.e. the context is cut from the left; an ending token
-    is scored only when the token before it is in the window.
+
+def pack(rendered, block_size):
+    """The rows of some rendered examples (4 per example, in order) as one right-padded batch, and where their ending
+    tokens are: (tokens (R, T), row and position of every logit that predicts an ending token, that token, the number
+    of scored tokens per row), all CPU tensors.
+
+    A row longer than block_size keeps its last block_size tokens, i.e. the context is cut from the left; an ending
+    token is scored only when the token before it is in the window. Padding is harmless: attention is causal.
     """
-    block_size = model.config.block_size
-    rows, masks = [], []
-    for context, endings in rendered:
-        for ending in endings:
-            rows.append((context + ending)[-block_size:])
-            masks.append(([0] * len(context) + [1] * len(ending))[-block_size:])
+    rows, row_of, position, target, scored = [], [], [], [], []
+    for example in rendered:
+        for ending in example.endings:
+            row = (example.context + ending)[-block_size:]
+            n = min(len(ending), len(row) - 1)
+            # the logit at position t predicts token t + 1: the last n tokens are predicted from the n before them
+            row_of += [len(rows)] * n
+            position += range(len(row) - 1 - n, len(row) - 1)
+            target += row[len(row) - n:]
+            scored.append(n)
+            rows.append(row)
     width = max(len(row) for row in rows)
-    tokens = torch.zeros(len(rows), width, dtype=torch.long)
-    scored = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (row, mask) in enumerate(zip(rows, masks)):
-        tokens[i, :len(row)] = torch.tensor(row)
-        scored[i, :len(mask)] = torch.tensor(mask, dtype=torch.bool)
-    tokens, scored = tokens.to(device), scored.to(device)
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    return tokens, *(torch.tensor(v, dtype=torch.long) for v in (row_of, position, target, scored))
 
-    device_type = torch.device(device).type
-    with torch.autocast(device_type=device_type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits, _ = model(tokens)
-    # position t predicts token t+1; only ending positions matter, so the cross-entropy sees just those rows of logits
-    target_mask = scored[:, 1:]
-    token_losses = F.cross_entropy(logits[:, :-1][target_mask].float(), tokens[:, 1:][target_mask], reduction="none")
-    row_of_token = torch.arange(len(rows), device=tokens.device)[:, None].expand_as(target_mask)[target_mask]
-    sums = torch.zeros(len(rows), device=tokens.device).index_add_(0, row_of_token, token_losses)
-    counts = target_mask.sum(dim=1).clamp(min=1)
-    return sums.view(-1, 4).cpu(), (sums / counts).view(-1, 4).cpu()
+
+def forward_logits(model, tokens, autocast_dtype):
+    """model(tokens)'s logits (B, T, vocab), under autocast when a dtype is given; a (logits, loss) pair is unpacked."""
+    with torch.autocast(torch.device(tokens.device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(tokens)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def scored_losses(model, batch, *, device, autocast_dtype=None):
+    """Sum and mean cross-entropy of every row of a pack()ed batch, float32 tensors (R/4, 4) left on `device`.
+
+    Only the logits of ending positions are gathered (indexing never copies the whole (R, T, vocab) tensor), and the
+    log-softmax runs on them in float32 whatever the autocast dtype."""
+    tokens, row_of, position, target, scored = (t.to(device, non_blocking=True) for t in batch)
+    logits = forward_logits(model, tokens, autocast_dtype)
+    token_losses = F.cross_entropy(logits[row_of, position].float(), target, reduction="none")
+    sums = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row_of, token_losses)
+    return sums.view(-1, 4), (sums / scored.clamp(min=1)).view(-1, 4)
+
+
+@torch.no_grad()
+def ending_losses(model, rendered, *, device, autocast_dtype=None):
+    """Sum and mean cross-entropy of each ending of each Rendered example: two float32 CPU tensors (N, 4), one
+    forward."""
+    sums, means = scored_losses(model, pack(rendered, model.config.block_size), device=device,
+                                autocast_dtype=autocast_dtype)
+    return sums.cpu(), means.cpu()
 
 
 @torch.no_grad()
@@ -138,9 +189,10 @@ def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=No
              progress=False):
     """HellaSwag accuracy of `model` on `examples` (the first `limit` of them when given).
 
-    Rank r scores examples i % world_size == r, `batch_size` examples (4 * batch_size rows) per forward; with
-    world_size > 1 the counts are summed over ranks with all_reduce, so every rank returns the totals:
-    dict(acc_norm, acc, correct_norm, correct, total).
+    `examples` is render_all()'s list (tokenized once per run) or load_examples()'s dicts (tokenized at every call).
+    Rank r scores examples i % world_size == r, `batch_size` examples (4 * batch_size rows) per forward; every rank
+    runs the same number of forwards, and with world_size > 1 the counts are summed over ranks with all_reduce, so
+    every rank returns the totals: dict(acc_norm, acc, correct_norm, correct, total).
     """
     if model.config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"HellaSwag needs the GPT-2 vocabulary ({VOCAB_SIZE} tokens); this model has "
@@ -148,35 +200,31 @@ def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=No
     examples = examples[:limit] if limit is not None else examples
     if not examples:
         raise ValueError("HellaSwag: no examples to evaluate")
-    enc = gpt2_encoding()
-    mine = [(render_example(ex, enc), ex["label"]) for ex in examples[rank::world_size]]
+    rendered = examples if isinstance(examples[0], Rendered) else render_all(examples)
     # similar lengths in one batch waste less compute on padding; the order does not change the counts
-    mine.sort(key=lambda item: len(item[0][0]) + max(len(e) for e in item[0][1]))
+    mine = sorted(rendered[rank::world_size], key=lambda ex: len(ex.context) + max(len(e) for e in ex.endings))
     # every rank runs the same number of forwards: a sharded (FSDP) model gathers its weights collectively in each one
-    num_batches = math.ceil(math.ceil(len(examples) / world_size) / batch_size)
+    num_batches = math.ceil(math.ceil(len(rendered) / world_size) / batch_size)
 
     was_training = model.training
     model.eval()
-    correct_norm = correct = 0
+    correct = torch.zeros(2, dtype=torch.long, device=device)  # (by mean, by sum); on device: no sync per batch
     batches = range(num_batches)
     if progress and rank == 0:
-        from tqdm import tqdm
         batches = tqdm(batches, desc="hellaswag", unit="batch")
     for b in batches:
         chunk = mine[b * batch_size:(b + 1) * batch_size]
         if not chunk:
-            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+            forward_logits(model, torch.zeros(1, 1, dtype=torch.long, device=device), autocast_dtype)
             continue
-        sums, means = ending_losses(model, [rendered for rendered, _ in chunk], device=device,
+        sums, means = scored_losses(model, pack(chunk, model.config.block_size), device=device,
                                     autocast_dtype=autocast_dtype)
-        labels = torch.tensor([label for _, label in chunk])
-        correct_norm += (means.argmin(dim=1) == labels).sum().item()
-        correct += (sums.argmin(dim=1) == labels).sum().item()
+        labels = torch.tensor([ex.label for ex in chunk]).to(device, non_blocking=True)
+        correct += torch.stack([(means.argmin(dim=1) == labels).sum(), (sums.argmin(dim=1) == labels).sum()])
     model.train(was_training)
 
-    counts = torch.tensor([correct_norm, correct, len(mine)], dtype=torch.long, device=device)
+    counts = torch.cat([correct, torch.tensor([len(mine)], device=device)])
     if world_size > 1:
-        import torch.distributed as dist
         dist.all_reduce(counts)
     correct_norm, correct, total = counts.tolist()
     return dict(acc_norm=correct_norm / total, acc=correct / total, correct_norm=correct_norm, correct=correct,

@@ -1,17 +1,20 @@
-"""HellaSwag examples/s of hellaswag.evaluate against build-nanogpt's one-example-per-forward loop, same model.
+"""HellaSwag examples/s of hellaswag.evaluate (several examples per forward) against one example per forward.
 
-    python bench/bench_hellaswag.py                       # the demo model (configs/demo_cpu.py), random weights, CPU
+    python bench/bench_hellaswag.py --threads 1           # the demo model (configs/demo_cpu.py), random weights, CPU
     python bench/bench_hellaswag.py --data hellaswag_val.jsonl --num-examples 1000 --dtype bfloat16
     python bench/bench_hellaswag.py --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024   # GPT-2 124M's shape
 
-The peer is the loop of karpathy/build-nanogpt's hellaswag.py: per example, one forward of its 4 rows, cross-entropy
-over every position, then the ending mask. Both must pick the same endings; the counts are checked. Without --data the
-examples come from the cached download (if any) or the test fixture, cycled up to --num-examples. On a CPU that
-other processes share, --threads 1 gives steadier numbers (two threads stall whenever one of them is descheduled).
+Two peers, each one example (4 rows) per forward: the loop of karpathy/build-nanogpt's hellaswag.py (tokenizes each
+example, cross-entropy over every position, then the ending mask), and hellaswag.evaluate itself with batch_size 1
+(what batching alone buys). hellaswag.evaluate gets render_all()'s tokens, made once outside the timings, as a
+training run does. All must pick the same endings; the counts are checked. Without --data the examples come from the
+cached download (if any) or the test fixture, cycled up to --num-examples. On a CPU that other processes share,
+--threads 1 gives steadier numbers (two threads stall whenever one of them is descheduled).
 """
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 
@@ -42,8 +45,7 @@ def naive_evaluate(model, examples, device, autocast_dtype):
             tokens[i, :len(row)] = torch.tensor(row)
             mask[i, :len(row_mask)] = torch.tensor(row_mask)
         tokens, mask = tokens.to(device), mask.to(device)
-        with torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits, _ = model(tokens)
+        logits = hellaswag.forward_logits(model, tokens, autocast_dtype)
         shift_logits = logits[:, :-1, :].contiguous().float()
         shift_tokens = tokens[:, 1:].contiguous()
         shift_losses = F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_tokens.view(-1),
@@ -63,9 +65,9 @@ def timed(fn):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=None, help="a HellaSwag jsonl (default: the cached download or the fixture)")
-    parser.add_argument("--num-examples", type=int, default=48)
+    parser.add_argument("--num-examples", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4, help="examples per forward in hellaswag.evaluate")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes of each; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes of each; the median counts")
     # the demo model of configs/demo_cpu.py: 4 layers, 4 heads, 128 wide, 128-token context, GPT-2 vocabulary
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
@@ -90,27 +92,35 @@ def main():
           f"({args.n_layer} layers, {args.n_embd} wide, context {args.block_size}), {args.device}, {args.dtype}, "
           f"{torch.get_num_threads()} threads")
 
-    gpt2_encoding()  # build the tokenizer outside the timings
-    warmup = examples[:2 * args.batch_size]
-    hellaswag.evaluate(model, warmup, device=args.device, autocast_dtype=autocast_dtype, batch_size=args.batch_size)
-    naive_evaluate(model, warmup, args.device, autocast_dtype)
+    rendered = hellaswag.render_all(examples)  # once per run, as train_gpt2 does; also builds the tokenizer
+    contenders = {
+        "build-nanogpt per-example loop": lambda ex: naive_evaluate(model, ex, args.device, autocast_dtype),
+        "hellaswag.evaluate, batch 1": lambda ex: hellaswag.evaluate(
+            model, ex, device=args.device, autocast_dtype=autocast_dtype, batch_size=1)["correct_norm"],
+        f"hellaswag.evaluate, batch {args.batch_size}": lambda ex: hellaswag.evaluate(
+            model, ex, device=args.device, autocast_dtype=autocast_dtype, batch_size=args.batch_size)["correct_norm"],
+    }
+    inputs = [examples, rendered, rendered]
+    for fn, ex in zip(contenders.values(), inputs):  # warm-up
+        fn(ex[:2 * args.batch_size])
 
-    # alternate the two and keep each one's fastest pass: a busy machine slows single passes, not the best of several
-    naive_s = ours_s = float("inf")
+    # alternate the contenders pass by pass, so a busy spell of the shared machine slows all of them alike
+    seconds = {name: [] for name in contenders}
+    counts = {}
     for _ in range(args.repeats):
-        naive_correct, seconds = timed(lambda: naive_evaluate(model, examples, args.device, autocast_dtype))
-        naive_s = min(naive_s, seconds)
-        result, seconds = timed(lambda: hellaswag.evaluate(model, examples, device=args.device,
-                                                           autocast_dtype=autocast_dtype, batch_size=args.batch_size))
-        ours_s = min(ours_s, seconds)
-    if result["correct_norm"] != naive_correct:
-        sys.exit(f"mismatch: hellaswag.evaluate has {result['correct_norm']} correct, the naive loop {naive_correct}")
-    naive_rate, ours_rate = len(examples) / naive_s, len(examples) / ours_s
-    print(f"best of {args.repeats} passes each")
-    print(f"build-nanogpt per-example loop: {naive_rate:8.1f} examples/s")
-    print(f"hellaswag.evaluate (batch {args.batch_size}):  {ours_rate:8.1f} examples/s   "
-          f"{ours_rate / naive_rate:.2f}x the per-example loop; same acc_norm {result['acc_norm']:.4f}")
-    print(f"the full validation set (10,042 examples) would take {10042 / ours_rate / 60:.1f} min here")
+        for (name, fn), ex in zip(contenders.items(), inputs):
+            counts[name], s = timed(lambda: fn(ex))
+            seconds[name].append(s)
+    if len(set(counts.values())) != 1:
+        sys.exit(f"mismatch: correct_norm differs: {counts}")
+    rates = {name: len(examples) / statistics.median(s) for name, s in seconds.items()}
+    peer = rates["build-nanogpt per-example loop"]
+    print(f"median of {args.repeats} alternating passes each; all {counts[name]}/{len(examples)} correct_norm")
+    for name, rate in rates.items():
+        print(f"{name:34s} {rate:8.1f} examples/s   {rate / peer:.2f}x the build-nanogpt loop")
+    batched = rates[name]
+    print(f"batch {args.batch_size} against batch 1: {batched / rates['hellaswag.evaluate, batch 1']:.2f}x; the full "
+          f"validation set (10,042 examples) would take {10042 / batched / 60:.1f} min here")
 
 
 if __name__ == "__main__":

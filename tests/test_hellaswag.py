@@ -1,9 +1,12 @@
-"""HellaSwag scoring equals a plain per-ending computation with transformers' GPT2LMHeadModel on the same weights,
-2 ranks (torchrun, gloo, also FSDP2-sharded) give the counts of 1, and bad files are named with their line."""
+"""HellaSwag scoring equals a plain per-ending computation with transformers' GPT2LMHeadModel on the same weights and
+one ending per forward of our own model, 2 ranks (torchrun, gloo, also FSDP2-sharded) give the counts of 1, bad files
+are named with their line, and a download without network says what to do in one line."""
 import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -32,8 +35,9 @@ def hf_dir(tmp_path_factory):
     return save_tiny_gpt2(str(tmp_path_factory.mktemp("tiny_gpt2")), n_positions=128)
 
 
-def reference_scores(hf_model, example, block_size):
-    """The straightforward way: one ending at a time, the last block_size tokens of context + ending."""
+def reference_scores(logits_of, example, block_size):
+    """The straightforward way: one ending per forward, the last block_size tokens of context + ending, the loss of
+    every position, then the ending's. logits_of: tokens (1, T) -> logits (T, vocab)."""
     enc = gpt2_encoding()
     context = enc.encode(example["ctx"])
     sums, means = [], []
@@ -42,11 +46,19 @@ def reference_scores(hf_model, example, block_size):
         tokens = (context + ending_tokens)[-block_size:]
         n_scored = min(len(ending_tokens), len(tokens) - 1)
         with torch.no_grad():
-            logits = hf_model(torch.tensor([tokens]), use_cache=False).logits[0]
+            logits = logits_of(torch.tensor([tokens]))
         losses = F.cross_entropy(logits[:-1], torch.tensor(tokens[1:]), reduction="none")[-n_scored:]
         sums.append(losses.sum().item())
         means.append(losses.mean().item())
     return sums, means
+
+
+def expected_result(ref_sums, ref_means, examples):
+    labels = torch.tensor([ex["label"] for ex in examples])
+    correct_norm = (torch.tensor(ref_means).argmin(1) == labels).sum().item()
+    correct = (torch.tensor(ref_sums).argmin(1) == labels).sum().item()
+    return dict(acc_norm=correct_norm / len(examples), acc=correct / len(examples), correct_norm=correct_norm,
+                correct=correct, total=len(examples))
 
 
 @pytest.mark.parametrize("n_positions", [128, 24])  # 24: every row is longer, the context is cut from the left
@@ -57,31 +69,72 @@ def test_scores_match_transformers(tmp_path, n_positions):
     path = save_tiny_gpt2(str(tmp_path / "hf"), n_positions)
     ours, ref = GPT.from_pretrained(path), GPT2LMHeadModel.from_pretrained(path).eval()
     examples = hellaswag.load_examples(FIXTURE)
-    enc = gpt2_encoding()
 
-    sums, means = hellaswag.ending_losses(ours, [hellaswag.render_example(ex, enc) for ex in examples], device="cpu")
-    ref_sums, ref_means = zip(*(reference_scores(ref, ex, n_positions) for ex in examples))
+    sums, means = hellaswag.ending_losses(ours, hellaswag.render_all(examples), device="cpu")
+    ref_sums, ref_means = zip(*(reference_scores(lambda t: ref(t, use_cache=False).logits[0], ex, n_positions)
+                                for ex in examples))
     torch.testing.assert_close(sums, torch.tensor(ref_sums), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(means, torch.tensor(ref_means), atol=1e-5, rtol=1e-5)
 
-    labels = torch.tensor([ex["label"] for ex in examples])
-    correct_norm = (torch.tensor(ref_means).argmin(1) == labels).sum().item()
-    correct = (torch.tensor(ref_sums).argmin(1) == labels).sum().item()
-    expected = dict(acc_norm=correct_norm / len(examples), acc=correct / len(examples), correct_norm=correct_norm,
-                    correct=correct, total=len(examples))
+    expected = expected_result(ref_sums, ref_means, examples)
     for batch_size in (1, 3):
         assert hellaswag.evaluate(ours, examples, device="cpu", batch_size=batch_size) == expected
-
     limited = hellaswag.evaluate(ours, examples, device="cpu", limit=5)
-    assert limited["total"] == 5
-    assert limited["correct_norm"] == (torch.tensor(ref_means[:5]).argmin(1) == labels[:5]).sum().item()
+    assert limited == expected_result(ref_sums[:5], ref_means[:5], examples[:5])
+
+
+@pytest.mark.parametrize("source", ["random GPT, padded vocabulary", "HF fixture"])
+def test_batched_equals_one_ending_per_forward(hf_dir, source):
+    """Several examples per forward, padded to the longest row, give the losses and counts of one row per forward."""
+    from model import GPT, GPTConfig
+
+    if source == "HF fixture":
+        model = GPT.from_pretrained(hf_dir)
+    else:
+        torch.manual_seed(1)
+        model = GPT(GPTConfig(block_size=48, vocab_size=50257, padded_vocab_size=50304, n_layer=2, n_head=2,
+                              n_embd=32))
+        with torch.no_grad():  # wider weights than GPT-2's init: endings differ by real margins, not by rounding
+            for p in model.parameters():
+                p.mul_(3)
+    model.eval()
+    examples = hellaswag.load_examples(FIXTURE)
+    rendered = hellaswag.render_all(examples)
+    ref_sums, ref_means = zip(*(reference_scores(lambda t: hellaswag.forward_logits(model, t, None)[0], ex,
+                                                  model.config.block_size) for ex in examples))
+    sums, means = hellaswag.ending_losses(model, rendered, device="cpu")  # all 11 examples, 44 rows, one forward
+    assert sums.dtype == means.dtype == torch.float32
+    # per-ending mean losses (about 11) within 1e-5; sums of up to 30 of them within fp32's rounding at their size
+    torch.testing.assert_close(means, torch.tensor(ref_means), atol=1e-5, rtol=0)
+    torch.testing.assert_close(sums, torch.tensor(ref_sums), atol=1e-4, rtol=0)
+    expected = expected_result(ref_sums, ref_means, examples)
+    for batch_size in (1, 2, 4, 16):
+        assert hellaswag.evaluate(model, rendered, device="cpu", batch_size=batch_size) == expected
+
+
+def test_rendered_once_then_reused(hf_dir, monkeypatch):
+    """render_all's tokens stand in for the examples: evaluate never tokenizes them again."""
+    from model import GPT
+
+    model = GPT.from_pretrained(hf_dir)
+    examples = hellaswag.load_examples(FIXTURE)
+    expected = hellaswag.evaluate(model, examples, device="cpu", limit=6)
+    rendered = hellaswag.render_all(examples)
+    assert [r.label for r in rendered] == [ex["label"] for ex in examples]
+
+    def no_tokenizer():
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(hellaswag, "gpt2_encoding", no_tokenizer)
+    assert hellaswag.evaluate(model, rendered, device="cpu", limit=6) == expected
+    assert hellaswag.evaluate(model, rendered, device="cpu", limit=6, batch_size=5) == expected
 
 
 def test_autocast_bf16_close_to_fp32(hf_dir):
     from model import GPT
 
     model = GPT.from_pretrained(hf_dir)
-    rendered = [hellaswag.render_example(ex, gpt2_encoding()) for ex in hellaswag.load_examples(FIXTURE)]
+    rendered = hellaswag.render_all(hellaswag.load_examples(FIXTURE))
     _, means = hellaswag.ending_losses(model, rendered, device="cpu")
     _, means_bf16 = hellaswag.ending_losses(model, rendered, device="cpu", autocast_dtype=torch.bfloat16)
     assert means_bf16.dtype == torch.float32
@@ -179,6 +232,26 @@ def test_download_once_then_cache(tmp_path, monkeypatch):
     assert os.listdir(cache) == ["hellaswag_val.jsonl"]
     monkeypatch.setattr(hellaswag, "HELLASWAG_URL", "file://" + str(tmp_path / "gone.jsonl"))
     assert len(hellaswag.load_examples()) == len(hellaswag.load_examples(FIXTURE))  # served from the cache
+
+
+def test_offline_download_says_what_to_do(tmp_path, monkeypatch, hf_dir):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HELLASWAG_CACHE", str(cache))
+
+    def no_network(url, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    cached = str(cache / "hellaswag_val.jsonl")
+    with pytest.raises(FileNotFoundError) as error:
+        hellaswag.load_examples()
+    message = str(error.value)
+    for part in (hellaswag.HELLASWAG_URL, cached, "name resolution", "--data PATH", f"copy it to {cached}"):
+        assert part in message
+    assert "\n" not in message and error.value.__suppress_context__  # one line, no chained traceback
+    assert os.listdir(cache) == []  # no temp file left behind
+    with pytest.raises(SystemExit, match=r"^hellaswag\.py: error: .*is not cached and downloading https://"):
+        hellaswag.main(["--model", hf_dir])
 
 
 def test_cli(hf_dir, capsys):
