@@ -497,7 +497,8 @@ def load_hellaswag(cfg, master):
     path = None if cfg.hellaswag == "download" else cfg.hellaswag
     examples = hellaswag.load_examples(path) if master else None
     barrier()
-    return examples if master else hellaswag.load_examples(path)
+    examples = examples if master else hellaswag.load_examples(path)
+    return hellaswag.render_all(examples)  # tokenized once per run, not at every evaluation
 
 
 def evaluate(model, step, cfg, ctx):

@@ -11,7 +11,7 @@ optimizer step after warm-up (for the full loop: between consecutive metrics.jso
 all-reduce, logging and everything else between two steps counts). The loops alternate, bare first and last
 (--rounds full loops between --rounds + 1 bare ones); each full loop is compared with the mean of the bare loops
 around it and the median of those ratios is reported, so a machine that slows down or speeds up meanwhile (other
-jobs, clocks) does not pass for overhead. Goal: overhead <= 5%.
+jobs, clocks) does not pass for overhead. Goal: overhead <= 3%.
 """
 import argparse
 import json
@@ -148,7 +148,7 @@ def main():
     print(f"{'all loops, in order':>28}: {', '.join(in_order)} ms/step")
     ratio = statistics.median(ratios)
     print(f"{'full loop / bare loop':>28}: {ratio:.3f} x time per step ({100 * (ratio - 1):+.1f}% overhead, median of "
-          f"{len(ratios)} rounds; goal <= +5%)")
+          f"{len(ratios)} rounds; goal <= +3%)")
 
 
 if __name__ == "__main__":
