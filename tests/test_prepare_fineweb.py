@@ -106,7 +106,7 @@ def test_hub_cache_end_to_end_offline(tmp_path, tiktoken_gpt2):
         "sample/100BT/000_00000.parquet": (["another sample, never read"], 10),
     })
     # no --output-dir: the outputs go to {data_dir}/megatron_gpt2
-    run = run_cli("--data-dir", cache, "--workers", "2", "--chunk-bytes", "4096")
+    run = run_cli("--data-dir", cache, "--workers", "2", "--chunk-bytes", "4096", "--val-tokens", "0")
     assert run.returncode == 0, run.stderr
     output_dir = os.path.join(cache, "megatron_gpt2")
     assert sorted(os.listdir(output_dir)) == [
@@ -312,10 +312,10 @@ def test_kill_mid_run_then_rerun_gives_the_clean_bytes(tmp_path):
             "--output-dir", output_dir, "--workers", "1", "--chunk-bytes", "20000"]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
-    in_progress = os.path.join(output_dir, ".processed_data_1_text_document.tmp.bin")
+    in_progress = os.path.join(output_dir, ".processed_data_1_text_document.bin.*.tmp")  # atomic_io's temporary
     try:
         deadline = time.time() + 120
-        while not os.path.exists(in_progress) and process.poll() is None and time.time() < deadline:
+        while not glob.glob(in_progress) and process.poll() is None and time.time() < deadline:
             time.sleep(0.002)
         assert process.poll() is None, "the run ended before it could be interrupted"
         os.kill(process.pid, signal.SIGKILL)
