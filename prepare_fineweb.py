@@ -462,6 +462,8 @@ def output_fingerprints(inputs, options):
 
 def is_finished(prefix, entry):
     """Whether the dataset at `prefix` is the complete one that summary.json's `entry` describes."""
+    if entry.get("output", prefix) is None:  # no output: every document of the input went to val
+        return entry.get("documents") == 0
     try:
         dataset = IndexedDataset(prefix)  # checks the header and that the .bin holds every indexed token
         return (dataset.dtype == np.uint16 and dataset.num_documents == len(dataset) == entry["documents"]
@@ -542,6 +544,8 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
     if not hasattr(gpt2_encoding(), "encode_to_numpy"):  # also fails here if the BPE files are missing or corrupt
         raise RuntimeError("prepare_fineweb.py needs tiktoken >= 0.9 (for Encoding.encode_to_numpy): "
                            "pip install -U tiktoken")
+    if not inputs:
+        raise FileNotFoundError(f"{output_dir}: no input files to tokenize")
     os.makedirs(output_dir, exist_ok=True)
     for name in os.listdir(output_dir):  # what a killed run was writing
         if TEMPORARY_FILE.match(name):
@@ -563,15 +567,15 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             json.dump(summary, f, indent=2)
         return summary
 
-    def finish(index, documents):
-        prefix = output_prefix(output_dir, index)
-        written = write_dataset(prefix, documents)
+    def finish(index, documents):  # documents None: all went to val, and megatron-core cannot map an empty .bin
+        prefix = output_prefix(output_dir, index) if documents is not None else None
+        written = write_dataset(prefix, documents) if prefix else (0, 0)
         entries[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
                               fingerprint=fingerprints[index], output=prefix, documents=written[0],
                               tokens=written[1], **counts[index], input_bytes=os.path.getsize(inputs[index]),
-                              output_bytes=os.path.getsize(prefix + ".bin"), kept=False)
+                              output_bytes=2 * written[1], kept=False)
         save(finished=False)
-        tqdm.write(f"{prefix}: {written[0]:,} documents, {written[1]:,} tokens")
+        tqdm.write(f"{prefix or inputs[index]}: {written[0]:,} documents, {written[1]:,} tokens")
 
     counts = {index: collections.Counter(empty_skipped=0, invalid_utf8=0) for index in todo}
     with multiprocessing.Pool(workers, initializer=init_worker) as pool, tqdm(
@@ -582,17 +586,17 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             state = {"ended": [], "last": len(inputs) - 1}
             written = write_dataset(val_prefix, val_documents(stream, val_tokens, state))
             val = dict(output=val_prefix, last_input=state["last"], fingerprint=fingerprints[state["last"]],
-                       documents=written[0], tokens=written[1], output_bytes=os.path.getsize(val_prefix + ".bin"),
-                       kept=False)
+                       documents=written[0], tokens=written[1], output_bytes=2 * written[1], kept=False)
             tqdm.write(f"{val_prefix}: {written[0]:,} documents, {written[1]:,} tokens, from inputs 0 to "
                        f"{state['last']}")
             for index in state["ended"]:  # every document of these went to val
-                finish(index, ())
+                finish(index, None)
         for index in todo:
             if index not in entries:
                 finish(index, file_documents(stream))
     summary = save(finished=True)
-    remove_stale(output_dir, {output_prefix(output_dir, index) for index in entries} | ({val_prefix} if val else set()))
+    remove_stale(output_dir, {output_prefix(output_dir, index) for index, entry in entries.items() if entry["output"]}
+                 | {val and val_prefix})
     return summary
 
 
