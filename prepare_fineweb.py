@@ -479,23 +479,20 @@ def kept_outputs(output_dir, fingerprints, val_tokens):
     as their documents start where it ends (and what changed it changed their fingerprints too, but for a kill -9
     before it was finished).
     """
-    try:
+    try:  # a missing or damaged summary.json keeps nothing
         with open(os.path.join(output_dir, SUMMARY_NAME)) as f:
             earlier = json.load(f)
-        files, val = earlier["files"], earlier.get("val")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, {}
-    entries = {entry["index"]: dict(entry, kept=True) for entry in files
-               if isinstance(entry.get("index"), int) and 0 <= entry["index"] < len(fingerprints)
-               and entry.get("fingerprint") == fingerprints[entry["index"]]
-               and is_finished(output_prefix(output_dir, entry["index"]), entry)}
-    if not val_tokens:
-        return None, entries
-    last = val.get("last_input", -1) if isinstance(val, dict) else -1
-    if (isinstance(last, int) and 0 <= last < len(fingerprints) and val.get("fingerprint") == fingerprints[last]
-            and all(index in entries for index in range(last + 1))
-            and is_finished(os.path.join(output_dir, VAL_NAME), val)):
-        return dict(val, kept=True), entries
+        entries = {entry["index"]: dict(entry, kept=True) for entry in earlier["files"]
+                   if entry["index"] < len(fingerprints) and entry["fingerprint"] == fingerprints[entry["index"]]
+                   and is_finished(output_prefix(output_dir, entry["index"]), entry)}
+        if not val_tokens:
+            return None, entries
+        val, last = earlier["val"], earlier["val"]["last_input"]
+        if (val["fingerprint"] == fingerprints[last] and all(index in entries for index in range(last + 1))
+                and is_finished(os.path.join(output_dir, VAL_NAME), val)):
+            return dict(val, kept=True), entries
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass
     return None, {}
 
 
