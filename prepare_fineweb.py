@@ -5,72 +5,86 @@
     python prepare_fineweb.py --input 'corpus/*.jsonl.gz' --output-dir data/corpus
     python prepare_fineweb.py --input data/tinyshakespeare.txt --output-dir data/shakespeare
 
-Input file i, in sorted order, becomes {output_dir}/processed_data_{i}_text_document.{bin,idx}: the GPT-2 BPE tokens
-of every document (tiktoken `encode_ordinary`, so "<|endoftext|>" inside a text is ordinary text) followed by EOT 50256,
-uint16, one sequence per document, in input order; megatron-core's IndexedDataset and indexed_dataset.py read it.
+Every document becomes its GPT-2 BPE tokens (tiktoken `encode_ordinary`, so "<|endoftext|>" inside a text is ordinary
+text) followed by EOT 50256, uint16, one sequence per document, in input order. With --val-tokens N (default 100M for
+the hub datasets, 0 for --input) the first whole documents of the stream, until they hold N tokens, go to
+{output_dir}/val_text_document.{bin,idx}: EOT followed by its tokens is then llm.c's (and build-nanogpt's) FineWeb val
+shard for its first N tokens. The other documents of input file i, in sorted order, go to
+{output_dir}/processed_data_{i}_text_document.{bin,idx}. megatron-core's IndexedDataset and indexed_dataset.py read them.
 
-The download goes through huggingface_hub into --data-dir, which is a hub cache directory (files land in
-datasets--HuggingFaceFW--fineweb-edu/snapshots/<commit>/sample/10BT/): an interrupted download resumes, files already
-there are not fetched again (point --data-dir at an existing cache such as ~/.cache/huggingface/hub to reuse it), and
-with HF_HUB_OFFLINE=1 nothing is fetched at all. --input takes local files instead: .parquet (column --text-key),
-.jsonl/.jsonl.gz (one JSON object per line, field --text-key) or .txt (each run of lines between blank lines is one
-document). Null or empty texts are skipped and counted; invalid UTF-8 is replaced by U+FFFD and counted.
+The download goes through huggingface_hub into --data-dir, a hub cache directory (files land in
+datasets--HuggingFaceFW--fineweb-edu/snapshots/<commit>/sample/10BT/): an interrupted download resumes, cached files are
+not fetched again, and with HF_HUB_OFFLINE=1 nothing is fetched. Before it starts, the free space of --data-dir and
+--output-dir is checked against the parquet files still to fetch plus about 2 bytes per token of outputs.
+--input takes local files instead: .parquet (column --text-key), .jsonl/.jsonl.gz (one JSON object per line, field
+--text-key) or .txt (each run of lines between blank lines is one document). Null or empty texts are skipped and
+counted; invalid UTF-8 is replaced by U+FFFD and counted.
 
---workers processes tokenize tasks of about --chunk-bytes of text (parquet row groups, which they read themselves,
-or blocks of JSONL lines or plain text) and this process writes their tokens in input order; at most two tasks per
-worker are in flight, so memory does not grow with the input, and one big file keeps every worker as busy as many
-files do.
+--workers processes tokenize tasks of about --chunk-bytes of text (parquet row groups, which they read themselves, or
+blocks of JSONL lines or plain text) and this process writes their tokens in input order; at most two tasks per worker
+are in flight, so memory does not grow with the input, and one big file keeps every worker as busy as many files do.
 
-Outputs are written under hidden temporary names and renamed when complete; summary.json, rewritten after each output,
-lists the finished ones. A rerun skips those and redoes the rest, so an interrupted run (Ctrl-C, kill -9, full disk)
-resumes and ends with exactly the bytes of an uninterrupted one, whatever --workers is.
+Every file is published complete under its final name (atomic_io). summary.json, rewritten after each output, lists
+the finished ones with a fingerprint of their inputs and options; a rerun keeps those that still match and redoes the
+rest, so an interrupted run (Ctrl-C, kill -9, full disk) resumes and ends with exactly the bytes of an uninterrupted
+one, whatever --workers is. A complete run removes the outputs that no current input made.
 
-There is no shuffling pass (terashuf): GPTDataset shuffles documents and samples by index at training time, the
-validation split takes the last documents of each file, and the hub's samples are already in random order.
+There is no shuffling pass (terashuf): GPTDataset shuffles documents and samples by index at training time, and the
+hub's samples are already in random order.
 """
 import argparse
 import collections
 import functools
 import glob
 import gzip
+import hashlib
 import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import sys
 import time
 import zlib
 
+import huggingface_hub
+import huggingface_hub.constants
+import huggingface_hub.errors
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from atomic_io import atomic_save, atomic_write
 from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from tokenizer import EOT_ID, gpt2_encoding
+from tokenizer import EOT_ID, SHA256, gpt2_encoding
 
 DATASETS = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
-SAMPLES = ("10BT", "100BT", "350BT")
+# The samples are named by their size in GPT-2 tokens, the tokenizer written here.
+SAMPLE_TOKENS = {"10BT": 10e9, "100BT": 100e9, "350BT": 350e9}
+# 2 bytes per uint16 token in the .bin, plus 20 per document in the .idx (int32 length, int64 pointer, int64
+# boundary) at the ~670 tokens per document of FineWeb's sample-10BT (14.9M rows; FineWeb-Edu's: 9.7M rows)
+OUTPUT_BYTES_PER_TOKEN = 2 + 20 / 670
+HUB_VAL_TOKENS = 100_000_000  # llm.c's and build-nanogpt's val shard: the first 100M tokens
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".txt")
 # Text sent to a worker per task: big enough that pickling is noise next to tokenizing (~0.2 s of work), small enough
 # that every worker has work until the end and the in-flight tasks (2 per worker) use little memory.
 CHUNK_BYTES = 1 << 20
-# A parquet row group of up to this many chunks of text is one task, read by the worker; a bigger one is read here.
+# A parquet row group of up to this many chunks of text is one task, read by the worker; a bigger one (a file written
+# with pandas' default of 1M rows per group) is read here in record batches, so no task holds more than a chunk.
 ROW_GROUP_TASK_CHUNKS = 16
-PARQUET_BATCH_ROWS = 1024
 BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
-SUMMARY_NAME = "summary.json"
+SUMMARY_NAME, VAL_NAME = "summary.json", "val_text_document"
+OUTPUT_FILE = re.compile(r"(processed_data_\d+|val)_text_document\.(bin|idx)")
+TEMPORARY_FILE = re.compile(r"\.((processed_data_\d+|val)_text_document\.(bin|idx)|summary\.json)\.\d+\.tmp")
 EOT_ARRAY = np.array([EOT_ID], dtype=np.uint32)
+# Bump when a change here changes the bytes written, so that outputs of the old code are redone.
+FORMAT = 2
 
 
 def output_prefix(output_dir, index):
     return os.path.join(output_dir, f"processed_data_{index}_text_document")
-
-
-def temporary_prefix(output_dir, index):
-    # Hidden, so no glob of the outputs (e.g. processed_data_*_text_document*) ever picks up a partial file.
-    return os.path.join(output_dir, f".processed_data_{index}_text_document.tmp")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,11 +93,10 @@ def temporary_prefix(output_dir, index):
 
 def download(dataset="fineweb-edu", sample="10BT", data_dir="fineweb_edu"):
     """The parquet files of `sample/{sample}` of the dataset, fetched into the hub cache `data_dir`; sorted paths."""
-    from huggingface_hub import snapshot_download
-
     repo_id, pattern = DATASETS[dataset], f"sample/{sample}/*.parquet"
     try:
-        snapshot = snapshot_download(repo_id, repo_type="dataset", allow_patterns=pattern, cache_dir=data_dir)
+        snapshot = huggingface_hub.snapshot_download(repo_id, repo_type="dataset", allow_patterns=pattern,
+                                                     cache_dir=data_dir)
     except FileNotFoundError as e:  # huggingface_hub's LocalEntryNotFoundError: offline and not (fully) cached
         raise FileNotFoundError(f"{data_dir}: no complete copy of {repo_id} {pattern} in this hub cache, and the hub "
                                 f"cannot be reached ({e})") from e
@@ -91,6 +104,49 @@ def download(dataset="fineweb-edu", sample="10BT", data_dir="fineweb_edu"):
     if not files:
         raise FileNotFoundError(f"{snapshot}: no files match {pattern}")
     return files
+
+
+def hub_sizes(repo_id, sample):
+    """{path in the repository: bytes} of the sample's parquet files, or None when the hub cannot be asked."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        entries = list(huggingface_hub.HfApi().list_repo_tree(repo_id, f"sample/{sample}", repo_type="dataset"))
+    except huggingface_hub.errors.EntryNotFoundError as e:
+        raise FileNotFoundError(f"{repo_id} has no sample/{sample} on the hub ({e})") from e
+    except Exception as e:  # no network: the download will say so, or find everything cached
+        print(f"could not list {repo_id} sample/{sample} on the hub ({e}); checking the space for the outputs only")
+        return None
+    return {entry.path: entry.size for entry in entries if entry.path.endswith(".parquet")}
+
+
+def space_needed(dataset, sample, data_dir, output_dir):
+    """{directory: bytes} a hub run still needs: the parquet files not yet cached, and the outputs not yet written."""
+    repo_id, sizes = DATASETS[dataset], hub_sizes(DATASETS[dataset], sample) or {}
+    fetch = sum(size for name, size in sizes.items() if not isinstance(
+        huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=data_dir, repo_type="dataset"), str))
+    written = sum(os.path.getsize(os.path.join(output_dir, name)) for name in
+                  (os.listdir(output_dir) if os.path.isdir(output_dir) else ()) if OUTPUT_FILE.fullmatch(name))
+    outputs = max(SAMPLE_TOKENS[sample] * OUTPUT_BYTES_PER_TOKEN - written, 0)
+    print(f"{repo_id} sample/{sample}: {fetch / 1e9:,.1f} GB of parquet to download into {data_dir}, about "
+          f"{outputs / 1e9:,.1f} GB of outputs to write in {output_dir}")
+    return {data_dir: fetch, output_dir: outputs}
+
+
+def check_disk_space(needs):
+    """Fail before any work if a directory's filesystem lacks the bytes `needs` ({directory: bytes}) puts on it."""
+    def existing(directory):  # the nearest folder that exists, where a new one will be made
+        directory = os.path.abspath(directory)
+        return directory if os.path.isdir(directory) else existing(os.path.dirname(directory))
+
+    devices = {directory: os.stat(existing(directory)).st_dev for directory in needs}
+    for directory in needs:  # directories on one filesystem add up
+        need = sum(needs[other] for other in needs if devices[other] == devices[directory])
+        free = shutil.disk_usage(existing(directory)).free
+        if need > free:
+            raise OSError(f"{directory}: needs about {need / 1e9:,.1f} GB (download and outputs on its filesystem) "
+                          f"but only {free / 1e9:,.1f} GB is free there; make room, choose another "
+                          f"--data-dir/--output-dir, or pass --skip-space-check")
 
 
 def find_inputs(pattern):
@@ -138,36 +194,30 @@ def as_bytes(column):
 
 
 def read_parquet(path, text_key, chunk_bytes):
-    """Yield (kind, payload, 0, byte position reached) tasks for a parquet file.
-
-    Row groups are read by the workers ("row_groups": runs of about chunk_bytes of text), so this process only hands
-    them out; a row group too big for one task (over ROW_GROUP_TASK_CHUNKS chunks) is read here in record batches and
-    sent as "texts" chunks instead.
-    """
+    """Yield (kind, payload, 0, byte position reached) tasks for a parquet file: ("row_groups", runs of about
+    chunk_bytes of text that the workers read) or, for a row group over ROW_GROUP_TASK_CHUNKS chunks, ("texts", a
+    record batch of about chunk_bytes read here)."""
     parquet = open_parquet(path, text_key)
     metadata, size = parquet.metadata, os.path.getsize(path)
     leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path == text_key)
-
-    def position(rows):  # progress in bytes of the file, by the share of its rows read
-        return size * rows // max(metadata.num_rows, 1)
-
-    groups, group_bytes, rows_done = [], 0, 0
+    groups, group_bytes, rows, total_rows = [], 0, 0, max(metadata.num_rows, 1)  # progress: the share of rows read
     try:
         for group in range(metadata.num_row_groups):
+            group_rows = metadata.row_group(group).num_rows
             text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
-            if text_bytes > ROW_GROUP_TASK_CHUNKS * chunk_bytes:
-                if groups:
-                    yield "row_groups", groups, 0, position(rows_done)
-                    groups, group_bytes = [], 0
-                for texts, rows_read in row_group_chunks(parquet, group, text_key, chunk_bytes):
-                    yield "texts", texts, 0, position(rows_done + rows_read)
+            big = text_bytes > ROW_GROUP_TASK_CHUNKS * chunk_bytes
+            if groups and (big or group_bytes >= chunk_bytes):
+                yield "row_groups", groups, 0, size * rows // total_rows
+                groups, group_bytes = [], 0
+            if big:
+                batch_rows = max(1, group_rows * chunk_bytes // text_bytes)
+                for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
+                    rows += batch.num_rows
+                    yield "texts", as_bytes(batch.column(0)), 0, size * rows // total_rows
             else:
                 groups.append(group)
                 group_bytes += text_bytes
-            rows_done += metadata.row_group(group).num_rows
-            if group_bytes >= chunk_bytes:
-                yield "row_groups", groups, 0, position(rows_done)
-                groups, group_bytes = [], 0
+                rows += group_rows
     except pa.ArrowException as e:
         raise ValueError(f"{path}: unreadable parquet data ({e})") from e
     finally:
@@ -175,22 +225,8 @@ def read_parquet(path, text_key, chunk_bytes):
     yield "row_groups", groups, 0, size
 
 
-def row_group_chunks(parquet, group, text_key, chunk_bytes):
-    """Yield (texts, rows read so far) for one row group, read in record batches, in chunks of about chunk_bytes."""
-    texts, text_bytes, rows = [], 0, 0
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[text_key]):
-        for text in as_bytes(batch.column(0)):
-            texts.append(text)
-            text_bytes += len(text) if text else 0
-            rows += 1
-            if text_bytes >= chunk_bytes:
-                yield texts, rows
-                texts, text_bytes = [], 0
-    yield texts, rows
-
-
-def read_jsonl(path, chunk_bytes):
-    """Yield ("jsonl", about chunk_bytes of whole lines, number of their first line, byte position reached)."""
+def read_blocks(path, chunk_bytes, kind, cut):
+    """Yield (kind, about chunk_bytes of text up to where `cut` says, number of its first line, position reached)."""
     with open(path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
         rest, first_line = b"", 1
@@ -202,44 +238,33 @@ def read_jsonl(path, chunk_bytes):
             if not block:
                 break
             block = rest + block
-            cut = block.rfind(b"\n") + 1
-            lines, rest = block[:cut], block[cut:]
-            if lines:
-                yield "jsonl", lines, first_line, raw.tell()
-                first_line += lines.count(b"\n")
-        yield "jsonl", rest, first_line, raw.tell()
+            end = cut(block)
+            if end:
+                yield kind, block[:end], first_line, raw.tell()
+                first_line += block.count(b"\n", 0, end)
+            rest = block[end:]
+        yield kind, rest, first_line, raw.tell()
 
 
-def read_text(path, chunk_bytes):
-    """Yield ("txt", about chunk_bytes of text that ends with a blank line, 0, byte position reached).
+def line_end(block):
+    return block.rfind(b"\n") + 1
 
-    Cutting only after blank lines keeps every document whole in one task, so the workers split them exactly as a
-    reading of the whole file would.
-    """
-    with open(path, "rb") as f:
-        rest = b""
-        while True:
-            block = f.read(max(chunk_bytes, len(rest)))  # as in read_jsonl: a giant document is not copied over and over
-            if not block:
-                break
-            block = rest + block
-            empty_line = block.rfind(b"\n\n")
-            if empty_line >= 0:
-                cut = empty_line + 2
-            else:  # no empty line: cut after a line of only whitespace, or not at all
-                cut = max((match.end() for match in BLANK_LINE.finditer(block)), default=0)
-            if cut:
-                yield "txt", block[:cut], 0, f.tell()
-            rest = block[cut:]
-        yield "txt", rest, 0, os.path.getsize(path)
+
+def paragraph_end(block):
+    """After the last blank line: every document stays whole in one task, so the workers split them exactly as a
+    reading of the whole file would."""
+    empty_line = block.rfind(b"\n\n")
+    if empty_line >= 0:
+        return empty_line + 2
+    return max((match.end() for match in BLANK_LINE.finditer(block)), default=0)  # a line of only whitespace
 
 
 def read_tasks(path, text_key, chunk_bytes):
     if path.endswith(".parquet"):
         return read_parquet(path, text_key, chunk_bytes)
     if path.endswith(".txt"):
-        return read_text(path, chunk_bytes)
-    return read_jsonl(path, chunk_bytes)
+        return read_blocks(path, chunk_bytes, "txt", paragraph_end)
+    return read_blocks(path, chunk_bytes, "jsonl", line_end)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,12 +378,92 @@ def encoded_tasks(pool, tasks, max_in_flight):
         yield index, position, None if result is None else result.get()
 
 
+def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar):
+    """Yield (index, tokens) for every document of the inputs numbered `todo`, in order, and (index, None) at the end
+    of each; counts[index] gathers its skipped and replaced texts, `bar` shows the progress."""
+    def tasks():
+        for index in todo:
+            path = inputs[index]
+            for kind, payload, first_line, position in read_tasks(path, text_key, chunk_bytes):
+                yield index, position, (path, kind, text_key, first_line, payload)
+            yield index, os.path.getsize(path), None  # end of this file
+
+    documents, tokens, file_position = 0, 0, 0
+    for index, position, result in encoded_tasks(pool, tasks(), 2 * workers):
+        bar.update(position - file_position)
+        file_position = 0 if result is None else position
+        if result is None:
+            yield index, None
+            continue
+        task_tokens, lengths, task_counts = result
+        counts[index].update(task_counts)
+        documents, tokens = documents + len(lengths), tokens + len(task_tokens)
+        elapsed = max(bar.format_dict["elapsed"], 1e-9)
+        bar.set_postfix_str(f"{documents / elapsed:,.0f} docs/s, {tokens / elapsed / 1e6:,.2f}M tokens/s",
+                            refresh=False)
+        for document in np.split(task_tokens, np.cumsum(lengths)[:-1]) if len(lengths) else ():
+            yield index, document
+
+
+def val_documents(stream, val_tokens, state):
+    """The first documents of `stream`, until they hold val_tokens tokens. state["ended"] lists the inputs that ended
+    on the way and state["last"] is the last input read."""
+    tokens = 0
+    for index, document in stream:
+        state["last"] = index
+        if document is None:
+            state["ended"].append(index)
+            continue
+        yield document
+        tokens += len(document)
+        if tokens >= val_tokens:
+            return
+
+
+def file_documents(stream):
+    """The documents of `stream` up to the end of the input they are from."""
+    for _, document in stream:
+        if document is None:
+            return
+        yield document
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # outputs
 
 
+def input_fingerprint(path):
+    """Size, mtime and a hash of the first and last MiB of the file at `path`.
+
+    Hashing whole files would read the 27 GB of sample/10BT (about 1 TB for 350BT) again on every rerun. The mtime
+    changes with any rewrite in place; the ends catch a different file copied with its mtime kept (a parquet file's
+    last MiB holds its footer: the offsets and statistics of every row group). A copy that loses the mtime costs a
+    needless rebuild, which is safe; keeping a changed output is not.
+    """
+    stat, digest = os.stat(path), hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(stat.st_size - (1 << 20), 0))
+        digest.update(f.read(1 << 20))
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{digest.hexdigest()}"
+
+
+def output_fingerprints(inputs, options):
+    """A hash per output of what makes it: the options and its input, or, with a val split, inputs 0 to its own (how
+    many of an input's documents go to val depends on the token counts of those before it)."""
+    start = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    digest, fingerprints = start.copy(), []
+    for path in inputs:
+        digest = digest if options["val_tokens"] else start.copy()
+        digest.update(input_fingerprint(path).encode())
+        fingerprints.append(digest.hexdigest())
+    return fingerprints
+
+
 def is_finished(prefix, entry):
     """Whether the dataset at `prefix` is the complete one that summary.json's `entry` describes."""
+    if entry.get("output", prefix) is None:  # no output: every document of the input went to val
+        return entry.get("documents") == 0
     try:
         dataset = IndexedDataset(prefix)  # checks the header and that the .bin holds every indexed token
         return (dataset.dtype == np.uint16 and dataset.num_documents == len(dataset) == entry["documents"]
@@ -367,150 +472,149 @@ def is_finished(prefix, entry):
         return False
 
 
-def read_summary(path):
-    """The finished entries of an earlier run's summary.json, by output index; {} if there is none."""
-    try:
-        with open(path) as f:
-            return {entry["index"]: entry for entry in json.load(f)["files"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+def kept_outputs(output_dir, fingerprints, val_tokens):
+    """(val entry or None, {index: entry}): what an earlier run's summary.json lists that still holds.
+
+    The val dataset is kept only with the outputs of every input it draws from: when it is redone, so is every output,
+    as their documents start where it ends (and what changed it changed their fingerprints too, but for a kill -9
+    before it was finished).
+    """
+    try:  # a missing or damaged summary.json keeps nothing
+        with open(os.path.join(output_dir, SUMMARY_NAME)) as f:
+            earlier = json.load(f)
+        entries = {entry["index"]: dict(entry, kept=True) for entry in earlier["files"]
+                   if entry["index"] < len(fingerprints) and entry["fingerprint"] == fingerprints[entry["index"]]
+                   and is_finished(output_prefix(output_dir, entry["index"]), entry)}
+        if not val_tokens:
+            return None, entries
+        val, last = earlier["val"], earlier["val"]["last_input"]
+        if (val["fingerprint"] == fingerprints[last] and all(index in entries for index in range(last + 1))
+                and is_finished(os.path.join(output_dir, VAL_NAME), val)):
+            return dict(val, kept=True), entries
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass
+    return None, {}
 
 
-def write_summary(path, summary):
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    os.replace(temporary, path)
+def write_dataset(prefix, documents):
+    """Write the token arrays `documents` as prefix.bin/.idx, each file published whole; (documents, tokens)."""
+    for suffix in (".idx", ".bin"):  # the old pair goes first, so no half of it can pass for part of the new one
+        if os.path.exists(prefix + suffix):
+            os.remove(prefix + suffix)
+    written = [0, 0]
+
+    def save_bin(path):
+        builder = IndexedDatasetBuilder(path, dtype=np.uint16)
+        for document in documents:
+            builder.add_document(document)
+            written[0], written[1] = written[0] + 1, written[1] + len(document)
+        atomic_save(prefix + ".idx", builder.finalize)  # finalize closes the .bin, which atomic_save then publishes
+    atomic_save(prefix + ".bin", save_bin)
+    return written
 
 
-def totals(entries, seconds, workers, finished):
-    summary = {key: sum(entry[key] for entry in entries)
+def remove_stale(output_dir, produced):
+    """Remove the outputs in `output_dir` that this run did not make (named by their prefixes in `produced`)."""
+    for name in sorted(os.listdir(output_dir)):
+        if OUTPUT_FILE.fullmatch(name) and os.path.join(output_dir, name)[:-4] not in produced:
+            os.remove(os.path.join(output_dir, name))
+            print(f"{os.path.join(output_dir, name)}: made from an input that is no longer given, removed")
+
+
+def summarize(options, val, entries, seconds, workers, finished):
+    files = [entries[index] for index in sorted(entries)]
+    outputs = files + ([val] if val else [])
+    summary = {key: sum(entry.get(key, 0) for entry in outputs)
                for key in ("documents", "tokens", "empty_skipped", "invalid_utf8", "input_bytes", "output_bytes")}
-    tokenized_now = sum(entry["tokens"] for entry in entries if not entry["kept"])
+    tokenized_now = sum(entry["tokens"] for entry in outputs if not entry["kept"])
     summary.update(finished=finished, seconds=round(seconds, 3), workers=workers,
-                   tokens_per_second=round(tokenized_now / max(seconds, 1e-9)),
-                   tokenizer="gpt2 (tiktoken encode_ordinary) + EOT 50256", dtype="uint16", files=entries)
+                   tokens_per_second=round(tokenized_now / max(seconds, 1e-9)), options=options, val=val, files=files)
     return summary
 
 
-def start_output(output_dir, index, path, text_key):
-    """A builder writing output `index` under its temporary name, and the summary entry it will fill."""
-    prefix = output_prefix(output_dir, index)
-    # A redone output's old files go first, so no stale pair of them can pass for the new result.
-    for suffix in (".idx", ".bin"):
-        if os.path.exists(prefix + suffix):
-            os.remove(prefix + suffix)
-    builder = IndexedDatasetBuilder(temporary_prefix(output_dir, index) + ".bin", dtype=np.uint16)
-    entry = {"index": index, "input": path, "input_name": os.path.basename(path), "text_key": text_key,
-             "output": prefix, "documents": 0, "tokens": 0, "empty_skipped": 0, "invalid_utf8": 0,
-             "input_bytes": os.path.getsize(path)}
-    return builder, entry
+def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK_BYTES, val_tokens=0):
+    """Tokenize the files `inputs` into output_dir (see the module's docstring); returns the summary.
 
-
-def finish_output(builder, output_dir, index):
-    temporary, prefix = temporary_prefix(output_dir, index), output_prefix(output_dir, index)
-    builder.finalize(temporary + ".idx")
-    # .bin first: until .idx is renamed too the output is visibly incomplete.
-    os.replace(temporary + ".bin", prefix + ".bin")
-    os.replace(temporary + ".idx", prefix + ".idx")
-    return os.path.getsize(prefix + ".bin")
-
-
-def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK_BYTES):
-    """Tokenize input file i into {output_dir}/processed_data_{i}_text_document.{bin,idx}; returns the summary.
-
-    Outputs that an earlier run finished (listed in summary.json, for the same input file and text key) are kept.
+    Outputs that an earlier run finished from the same inputs and options are kept.
     """
     start = time.time()
     if not hasattr(gpt2_encoding(), "encode_to_numpy"):  # also fails here if the BPE files are missing or corrupt
         raise RuntimeError("prepare_fineweb.py needs tiktoken >= 0.9 (for Encoding.encode_to_numpy): "
                            "pip install -U tiktoken")
+    if not inputs:
+        raise FileNotFoundError(f"{output_dir}: no input files to tokenize")
     os.makedirs(output_dir, exist_ok=True)
-    summary_path = os.path.join(output_dir, SUMMARY_NAME)
-    earlier = read_summary(summary_path)
-    entries, todo = {}, []
-    for index, path in enumerate(inputs):
-        entry = earlier.get(index)
-        if (entry is not None and entry.get("input_name") == os.path.basename(path)
-                and entry.get("input_bytes") == os.path.getsize(path) and entry.get("text_key") == text_key
-                and is_finished(output_prefix(output_dir, index), entry)):
-            entries[index] = dict(entry, kept=True)
-            print(f"{output_prefix(output_dir, index)}: finished by an earlier run, kept")
-        else:
-            check_input(path, text_key)
-            todo.append(index)
+    for name in os.listdir(output_dir):  # what a killed run was writing
+        if TEMPORARY_FILE.match(name):
+            os.remove(os.path.join(output_dir, name))
+    options = {"format": FORMAT, "tokenizer": "gpt2 (tiktoken encode_ordinary) + EOT 50256", "bpe_sha256": SHA256,
+               "text_key": text_key, "dtype": "uint16", "val_tokens": val_tokens}
+    val_prefix = os.path.join(output_dir, VAL_NAME)
+    fingerprints = output_fingerprints(inputs, options)
+    val, entries = kept_outputs(output_dir, fingerprints, val_tokens)
+    for index in sorted(entries):
+        print(f"{output_prefix(output_dir, index)}: finished by an earlier run, kept")
+    todo = [index for index in range(len(inputs)) if index not in entries]
+    for index in todo:
+        check_input(inputs[index], text_key)
 
     def save(finished):
-        summary = totals([entries[index] for index in sorted(entries)], time.time() - start, workers, finished)
-        write_summary(summary_path, summary)
+        summary = summarize(options, val, entries, time.time() - start, workers, finished)
+        with atomic_write(os.path.join(output_dir, SUMMARY_NAME), "w") as f:
+            json.dump(summary, f, indent=2)
         return summary
 
-    def tasks():
-        for index in todo:
-            path = inputs[index]
-            for kind, payload, first_line, position in read_tasks(path, text_key, chunk_bytes):
-                yield index, position, (path, kind, text_key, first_line, payload)
-            yield index, os.path.getsize(path), None  # end of this file
+    def finish(index, documents):  # documents None: all went to val, and megatron-core cannot map an empty .bin
+        prefix = output_prefix(output_dir, index) if documents is not None else None
+        written = write_dataset(prefix, documents) if prefix else (0, 0)
+        entries[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
+                              fingerprint=fingerprints[index], output=prefix, documents=written[0],
+                              tokens=written[1], **counts[index], input_bytes=os.path.getsize(inputs[index]),
+                              output_bytes=2 * written[1], kept=False)
+        save(finished=False)
+        tqdm.write(f"{prefix or inputs[index]}: {written[0]:,} documents, {written[1]:,} tokens")
 
-    if not todo:
-        return save(finished=True)
-    builder, documents, tokens = None, 0, 0
-    try:
-        with multiprocessing.Pool(workers, initializer=init_worker) as pool, tqdm(
-                total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
-                desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True) as bar:
-            previous_end = time.time()
-            for index, position, result in encoded_tasks(pool, tasks(), 2 * workers):
-                if builder is None:
-                    builder, entry = start_output(output_dir, index, inputs[index], text_key)
-                    file_position = 0
-                if result is not None:
-                    task_tokens, lengths, counts = result
-                    for document in np.split(task_tokens, np.cumsum(lengths)[:-1]) if len(lengths) else ():
-                        builder.add_document(document)
-                    for key, count in dict(counts, documents=len(lengths), tokens=len(task_tokens)).items():
-                        entry[key] += count
-                    documents += len(lengths)
-                    tokens += len(task_tokens)
-                bar.update(position - file_position)
-                file_position = position
-                elapsed = max(bar.format_dict["elapsed"], 1e-9)
-                bar.set_postfix_str(f"{documents / elapsed:,.0f} docs/s, {tokens / elapsed / 1e6:,.2f}M tokens/s",
-                                    refresh=False)
-                if result is None:  # the end of input file `index`
-                    entry.update(output_bytes=finish_output(builder, output_dir, index),
-                                 seconds=round(time.time() - previous_end, 3), kept=False)
-                    builder, previous_end, entries[index] = None, time.time(), entry
-                    save(finished=False)
-                    tqdm.write(f"{entry['output']}: {entry['documents']:,} documents, {entry['tokens']:,} tokens")
-    except BaseException:
-        if builder is not None:  # an output was being written: its temporary files go
-            for suffix in (".bin", ".idx"):
-                if os.path.exists(temporary_prefix(output_dir, entry["index"]) + suffix):
-                    os.remove(temporary_prefix(output_dir, entry["index"]) + suffix)
-        raise
-    return save(finished=True)
+    counts = {index: collections.Counter(empty_skipped=0, invalid_utf8=0) for index in todo}
+    with multiprocessing.Pool(workers, initializer=init_worker) as pool, tqdm(
+            total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
+            desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
+        stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
+        if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
+            state = {"ended": [], "last": len(inputs) - 1}
+            written = write_dataset(val_prefix, val_documents(stream, val_tokens, state))
+            val = dict(output=val_prefix, last_input=state["last"], fingerprint=fingerprints[state["last"]],
+                       documents=written[0], tokens=written[1], output_bytes=2 * written[1], kept=False)
+            tqdm.write(f"{val_prefix}: {written[0]:,} documents, {written[1]:,} tokens, from inputs 0 to "
+                       f"{state['last']}")
+            for index in state["ended"]:  # every document of these went to val
+                finish(index, None)
+        for index in todo:
+            if index not in entries:
+                finish(index, file_documents(stream))
+    summary = save(finished=True)
+    remove_stale(output_dir, {output_prefix(output_dir, index) for index, entry in entries.items() if entry["output"]}
+                 | {val and val_prefix})
+    return summary
 
 
 def print_summary(summary, output_dir):
     kept = sum(entry["kept"] for entry in summary["files"])
-    print(f"{len(summary['files'])} outputs in {output_dir} ({kept} kept from an earlier run): "
-          f"{summary['documents']:,} documents, {summary['tokens']:,} tokens, "
-          f"{summary['input_bytes'] / 1e6:,.1f} MB in, {summary['output_bytes'] / 1e6:,.1f} MB out, "
-          f"{summary['seconds']:,.1f} s ({summary['tokens_per_second'] / 1e6:,.2f}M tokens/s); "
-          f"{summary['empty_skipped']:,} empty or null texts skipped, "
-          f"{summary['invalid_utf8']:,} with invalid UTF-8 replaced; {os.path.join(output_dir, SUMMARY_NAME)}")
+    print(f"{len(summary['files'])} outputs in {output_dir} ({kept} kept from an earlier run)"
+          f"{', and val_text_document' if summary['val'] else ''}: {summary['documents']:,} documents, "
+          f"{summary['tokens']:,} tokens, {summary['input_bytes'] / 1e6:,.1f} MB in, "
+          f"{summary['output_bytes'] / 1e6:,.1f} MB out, {summary['seconds']:,.1f} s "
+          f"({summary['tokens_per_second'] / 1e6:,.2f}M tokens/s); {summary['empty_skipped']:,} empty or null texts "
+          f"skipped, {summary['invalid_utf8']:,} with invalid UTF-8 replaced; {os.path.join(output_dir, SUMMARY_NAME)}")
 
 
 def default_workers():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def positive_int(value):
+def positive_int(value, least=1):
     number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    if number < least:
+        raise argparse.ArgumentTypeError(f"{value} is less than {least}")
     return number
 
 
@@ -518,23 +622,34 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu",
                         help="which Hugging Face dataset to download")
-    parser.add_argument("--sample", choices=SAMPLES, default="10BT", help="which sample/<N> to download")
+    parser.add_argument("--sample", choices=sorted(SAMPLE_TOKENS), default="10BT", help="which sample/<N> to download")
     parser.add_argument("--data-dir", default="fineweb_edu",
                         help="hub cache directory for the download (an existing cache is reused)")
     parser.add_argument("--input", metavar="GLOB",
                         help="local .parquet, .jsonl, .jsonl.gz or .txt files to tokenize instead of the download")
     parser.add_argument("--output-dir", help="where the .bin/.idx files go (default: {data_dir}/megatron_gpt2)")
     parser.add_argument("--text-key", default="text", help="parquet column or JSON field holding the text")
+    parser.add_argument("--val-tokens", type=functools.partial(positive_int, least=0),
+                        help=f"tokens of whole documents for val_text_document (default: {HUB_VAL_TOKENS:,} for the "
+                             f"hub datasets, 0 with --input)")
+    parser.add_argument("--skip-space-check", action="store_true", help="start even if the disks look too full")
     parser.add_argument("--workers", type=positive_int, default=default_workers(),
                         help="tokenizer processes (default: one per CPU)")
     parser.add_argument("--chunk-bytes", type=positive_int, default=CHUNK_BYTES,
                         help="text per task sent to a worker")
     args = parser.parse_args(argv)
     output_dir = args.output_dir or os.path.join(args.data_dir, "megatron_gpt2")
+    val_tokens = args.val_tokens if args.val_tokens is not None else 0 if args.input else HUB_VAL_TOKENS
     try:
-        inputs = find_inputs(args.input) if args.input else download(args.dataset, args.sample, args.data_dir)
+        if args.input:
+            inputs = find_inputs(args.input)
+        else:
+            needs = space_needed(args.dataset, args.sample, args.data_dir, output_dir)
+            if not args.skip_space_check:
+                check_disk_space(needs)
+            inputs = download(args.dataset, args.sample, args.data_dir)
         summary = prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers,
-                          chunk_bytes=args.chunk_bytes)
+                          chunk_bytes=args.chunk_bytes, val_tokens=val_tokens)
     except (ValueError, OSError) as e:
         sys.exit(f"prepare_fineweb.py: error: {e}")
     except KeyboardInterrupt:

@@ -106,7 +106,7 @@ def test_hub_cache_end_to_end_offline(tmp_path, tiktoken_gpt2):
         "sample/100BT/000_00000.parquet": (["another sample, never read"], 10),
     })
     # no --output-dir: the outputs go to {data_dir}/megatron_gpt2
-    run = run_cli("--data-dir", cache, "--workers", "2", "--chunk-bytes", "4096")
+    run = run_cli("--data-dir", cache, "--workers", "2", "--chunk-bytes", "4096", "--val-tokens", "0")
     assert run.returncode == 0, run.stderr
     output_dir = os.path.join(cache, "megatron_gpt2")
     assert sorted(os.listdir(output_dir)) == [
@@ -312,10 +312,10 @@ def test_kill_mid_run_then_rerun_gives_the_clean_bytes(tmp_path):
             "--output-dir", output_dir, "--workers", "1", "--chunk-bytes", "20000"]
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
-    in_progress = os.path.join(output_dir, ".processed_data_1_text_document.tmp.bin")
+    in_progress = os.path.join(output_dir, ".processed_data_1_text_document.bin.*.tmp")  # atomic_io's temporary
     try:
         deadline = time.time() + 120
-        while not os.path.exists(in_progress) and process.poll() is None and time.time() < deadline:
+        while not glob.glob(in_progress) and process.poll() is None and time.time() < deadline:
             time.sleep(0.002)
         assert process.poll() is None, "the run ended before it could be interrupted"
         os.kill(process.pid, signal.SIGKILL)
@@ -334,3 +334,137 @@ def test_kill_mid_run_then_rerun_gives_the_clean_bytes(tmp_path):
     assert "processed_data_0_text_document: finished by an earlier run, kept" in run.stdout
     assert dataset_bytes(output_dir) == dataset_bytes(clean_dir)
     assert not leftovers(output_dir)
+
+
+def fineweb_parquets(directory, rows_per_file, seed=0):
+    """Parquet files shaped like the hub's FineWeb samples (text, id, dump, url, token_count columns); their texts."""
+    files, texts = [], []
+    for index, rows in enumerate(rows_per_file):
+        file_texts = shakespeare_documents(rows, seed=seed + index, max_chars=1200)
+        table = pa.table({"text": file_texts, "id": [f"<urn:uuid:{index}-{i}>" for i in range(rows)],
+                          "dump": ["CC-MAIN-2024-10"] * rows, "url": [f"https://example.org/{i}" for i in range(rows)],
+                          "token_count": pa.array([len(text) // 4 for text in file_texts], pa.int64())})
+        files.append(str(directory / f"{index:03d}_00000.parquet"))
+        os.makedirs(directory, exist_ok=True)
+        pq.write_table(table, files[-1], row_group_size=100)
+        texts.append(file_texts)
+    return files, texts
+
+
+def output_documents(output_dir, name):
+    path = os.path.join(output_dir, name)
+    return read_megatron(path) if os.path.exists(path + ".idx") else []
+
+
+def test_val_tokens_are_llmc_val_shard(tmp_path, tiktoken_gpt2):
+    files, texts = fineweb_parquets(tmp_path / "hub", [500, 900, 800, 700])
+    documents = [tiktoken_gpt2.encode_ordinary(text) + [EOT] for file_texts in texts for text in file_texts]
+    # llm.c dev/data/fineweb.py (and build-nanogpt): every row as [EOT] + encode_ordinary(text), in order
+    llmc = [token for file_texts in texts for text in file_texts for token in [EOT] + tiktoken_gpt2.encode_ordinary(text)]
+    val_tokens = sum(map(len, documents[:500])) + 1000  # all of input 0 and the start of input 1
+    output_dir = str(tmp_path / "out")
+    summary = prepare_fineweb.prepare(files, output_dir, workers=2, chunk_bytes=20_000, val_tokens=val_tokens)
+
+    val = read_megatron(os.path.join(output_dir, "val_text_document"))
+    stream = [EOT] + [token for document in val for token in document]
+    assert len(stream) > val_tokens and stream[:val_tokens] == llmc[:val_tokens]
+    cut = len(val)  # whole documents, the fewest that hold val_tokens
+    assert val == documents[:cut] and sum(map(len, val[:-1])) < val_tokens <= sum(map(len, val))
+    assert 500 < cut < 1400
+    # the train outputs hold every other document, none twice; input 0 went wholly to val, so it has no output
+    assert not os.path.exists(os.path.join(output_dir, "processed_data_0_text_document.bin"))
+    trains = [output_documents(output_dir, f"processed_data_{i}_text_document") for i in range(4)]
+    assert trains[0] == [] and trains[1] == documents[cut:1400] and trains[2] + trains[3] == documents[1400:]
+    assert summary["val"]["documents"] == cut and summary["val"]["last_input"] == 1
+    assert summary["documents"] == len(documents) and summary["tokens"] == sum(map(len, documents))
+
+    # one worker and default chunks: the same bytes; a rerun keeps everything
+    prepare_fineweb.prepare(files, str(tmp_path / "one"), workers=1, val_tokens=val_tokens)
+    assert dataset_bytes(tmp_path / "one") == dataset_bytes(output_dir)
+    summary = prepare_fineweb.prepare(files, output_dir, workers=2, val_tokens=val_tokens)
+    assert summary["val"]["kept"] and all(entry["kept"] for entry in summary["files"])
+
+    # a damaged output after the val split is redone alone, to the same bytes
+    clean = dataset_bytes(output_dir)
+    with open(os.path.join(output_dir, "processed_data_3_text_document.bin"), "r+b") as f:
+        f.truncate(10)
+    summary = prepare_fineweb.prepare(files, output_dir, workers=2, val_tokens=val_tokens)
+    assert summary["val"]["kept"] and [entry["kept"] for entry in summary["files"]] == [True, True, True, False]
+    assert dataset_bytes(output_dir) == clean
+
+    # another --val-tokens redoes every output; without one the val dataset is removed as stale
+    summary = prepare_fineweb.prepare(files, output_dir, workers=2, val_tokens=1000)
+    assert not summary["val"]["kept"] and not any(entry["kept"] for entry in summary["files"])
+    val = read_megatron(os.path.join(output_dir, "val_text_document"))
+    assert val == documents[:len(val)] and read_megatron(prepare_fineweb.output_prefix(output_dir, 0)) == \
+        documents[len(val):500]
+    summary = prepare_fineweb.prepare(files, output_dir, workers=2)
+    assert summary["val"] is None and not any(entry["kept"] for entry in summary["files"])
+    assert not glob.glob(os.path.join(output_dir, "val_text_document*"))
+    assert [read_megatron(prepare_fineweb.output_prefix(output_dir, i)) for i in range(4)] == [
+        documents[:500], documents[500:1400], documents[1400:2200], documents[2200:]]
+
+
+def test_changed_content_of_the_same_size_is_redone(tmp_path, tiktoken_gpt2):
+    inputs = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    for path, text in zip(inputs, ["first file\n\nsecond paragraph\n", "other file\n\nmore text\n"]):
+        with open(path, "w") as f:
+            f.write(text)
+    output_dir = str(tmp_path / "out")
+    prepare_fineweb.prepare(inputs, output_dir, workers=1)
+    stat = os.stat(inputs[1])
+    with open(inputs[1], "w") as f:
+        f.write("other file\n\nmore TEXT\n")  # the same size, and the same mtime below
+    os.utime(inputs[1], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.getsize(inputs[1]) == stat.st_size
+    summary = prepare_fineweb.prepare(inputs, output_dir, workers=1)
+    assert [entry["kept"] for entry in summary["files"]] == [True, False]
+    assert read_megatron(prepare_fineweb.output_prefix(output_dir, 1)) == expected_tokens(
+        tiktoken_gpt2, ["other file", "more TEXT"])
+
+
+def test_outputs_of_inputs_no_longer_given_are_removed(tmp_path, capsys):
+    inputs = []
+    for index in range(3):
+        inputs.append(str(tmp_path / f"{index}.jsonl"))
+        with open(inputs[-1], "w") as f:
+            f.write(json.dumps({"text": f"document of file {index}"}) + "\n")
+    output_dir = str(tmp_path / "out")
+    prepare_fineweb.prepare(inputs, output_dir, workers=1)
+    capsys.readouterr()
+    summary = prepare_fineweb.prepare(inputs[:2], output_dir, workers=1)
+    assert [entry["kept"] for entry in summary["files"]] == [True, True]
+    assert sorted(os.listdir(output_dir)) == [f"processed_data_{i}_text_document.{ext}" for i in range(2)
+                                              for ext in ("bin", "idx")] + ["summary.json"]
+    printed = capsys.readouterr().out
+    assert "processed_data_2_text_document.bin: made from an input that is no longer given, removed" in printed
+    # the glob training uses now finds only the outputs of the current inputs
+    assert indexed_dataset.resolve_blend(os.path.join(output_dir, "processed_data_*_text_document"))[0] == [
+        prepare_fineweb.output_prefix(output_dir, i) for i in range(2)]
+
+
+def test_disk_space_is_checked_before_the_download(tmp_path, monkeypatch):
+    data_dir, GB = str(tmp_path / "hub"), 10**9
+    sizes = {f"sample/100BT/{i:03d}_00000.parquet": 2 * GB for i in range(140)}  # 280 GB to download
+    monkeypatch.setattr(prepare_fineweb, "hub_sizes", lambda repo_id, sample: sizes)
+    monkeypatch.setattr(prepare_fineweb.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**15, 0, 400 * GB))
+    downloads = []
+
+    def download(*args):
+        downloads.append(args)
+        raise FileNotFoundError("offline")
+    monkeypatch.setattr(prepare_fineweb, "download", download)
+    with pytest.raises(SystemExit) as exit_:
+        prepare_fineweb.main(["--sample", "100BT", "--data-dir", data_dir])
+    # 280 GB of parquet and 100e9 tokens x ~2.03 bytes of outputs, on one filesystem
+    message = str(exit_.value)
+    assert f"{data_dir}: needs about 483.0 GB" in message and "only 400.0 GB is free" in message
+    assert "--skip-space-check" in message and not downloads
+
+    with pytest.raises(SystemExit, match="offline"):  # past the check, to the (faked) download
+        prepare_fineweb.main(["--sample", "100BT", "--data-dir", data_dir, "--skip-space-check"])
+    assert downloads == [("fineweb-edu", "100BT", data_dir)]
+    monkeypatch.setattr(prepare_fineweb.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**15, 0, 500 * GB))
+    with pytest.raises(SystemExit, match="offline"):  # enough room
+        prepare_fineweb.main(["--sample", "100BT", "--data-dir", data_dir, "--output-dir", str(tmp_path / "o")])
+    assert len(downloads) == 2
