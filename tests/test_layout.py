@@ -1,0 +1,59 @@
+"""The house rules that keep the code readable: the project's modules import one another one way only (imports
+inside functions included), the training loop fits on a screen and no function grows past about 120 lines."""
+import ast
+import os
+
+from conftest import ROOT
+
+MODULES = sorted(name[:-3] for name in os.listdir(ROOT) if name.endswith(".py"))
+
+
+def project_imports(module):
+    """The project modules `module` imports anywhere in its file."""
+    with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(MODULES) - {module}
+
+
+def test_imports_have_no_cycle():
+    graph = {module: project_imports(module) for module in MODULES}
+    state = {}
+
+    def visit(module, path):
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", f"import cycle: {' -> '.join(path + [module])}"
+        state[module] = "open"
+        for dependency in sorted(graph[module]):
+            visit(dependency, path + [module])
+        state[module] = "done"
+
+    for module in MODULES:
+        visit(module, [])
+
+
+def test_bottom_floor_modules_import_nothing_above_them():
+    for module in ("tokenizer", "atomic_io", "model"):
+        assert project_imports(module) <= {"atomic_io"}, (module, project_imports(module))
+
+
+def function_lengths():
+    for module in MODULES:
+        with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{module}.{node.name}", node.end_lineno - node.lineno + 1
+
+
+def test_the_training_loop_fits_on_a_screen_and_no_function_is_long():
+    lengths = dict(function_lengths())
+    assert lengths["train_gpt2.train"] <= 100
+    long = {name: n for name, n in lengths.items() if n > 120}
+    assert not long, long
