@@ -133,9 +133,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_x * grad_output, grad_weight * grad_output, None, None
 
 
-def chunked_cross_entropy(x, weight, targets, chunk_size=LOSS_CHUNK_ROWS):
+def chunked_cross_entropy(x, weight, targets, chunk_size=None):
     """The loss of a linear output layer: mean F.cross_entropy(x @ weight.T, targets, ignore_index=-100) in fp32
-    for x (rows, C), weight (vocab, C), targets (rows,), never materialising the full logits."""
+    for x (rows, C), weight (vocab, C), targets (rows,), never materialising the full logits. chunk_size rows
+    (default LOSS_CHUNK_ROWS) are processed at a time. Unlike F.cross_entropy, a batch whose targets are all ignored
+    gives loss 0 and zero gradients instead of nan."""
+    chunk_size = chunk_size or LOSS_CHUNK_ROWS
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(x, weight, targets, chunk_size)
     return _loss_chunks(x, weight, targets, chunk_size, with_grads=False)[0]
