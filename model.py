@@ -96,12 +96,17 @@ def _loss_chunks(x, weight, targets, chunk_size, with_grads):
     The matmuls run in the dtype autocast (or the inputs) give them; log-sum-exp and softmax run in fp32. Gradients
     (softmax - one-hot, over the count of non-ignored targets) are taken here, in the forward, so no chunk's logits
     outlive it; with_grads=False skips them (validation, sampling). grad_weight accumulates in fp32."""
+    # cast once, not per chunk and per matmul as autocast would (it caches casts of leaf parameters only)
+    device_type = x.device.type
+    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else weight.dtype
+    x, weight = x.to(dtype), weight.to(dtype)
     valid = targets != -100  # F.cross_entropy's default ignore_index
     count = valid.sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
     safe_targets = torch.where(valid, targets, 0)
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
     for start in range(0, x.size(0), chunk_size):
         rows = slice(start, start + chunk_size)
         x_chunk, t_chunk, v_chunk = x[rows], safe_targets[rows, None], valid[rows]
@@ -124,7 +129,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_size):
         loss, grad_x, grad_weight = _loss_chunks(x, weight, targets, chunk_size, with_grads=True)
-        ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_x.to(x.dtype), grad_weight.to(weight.dtype))
         return loss
 
     @staticmethod
