@@ -116,9 +116,12 @@ def _loss_chunks(x, weight, targets, chunk_size, with_grads):
         if with_grads:
             probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: one fp32 chunk alive at a time
             probs.scatter_add_(1, t_chunk, torch.full_like(t_chunk, -1, dtype=probs.dtype))
-            grad_logits = (probs * (v_chunk[:, None] / count)).to(weight.dtype)
+            grad_logits = probs.mul_(v_chunk[:, None] / count).to(weight.dtype)
             grad_x[rows] = grad_logits @ weight
-            grad_weight += (grad_logits.t() @ x_chunk).float()
+            if grad_logits.dtype == torch.float32:
+                torch.addmm(grad_weight, grad_logits.t(), x_chunk, out=grad_weight)  # no (vocab x C) temporary
+            else:
+                grad_weight += (grad_logits.t() @ x_chunk).float()
     return loss / count, grad_x, grad_weight
 
 
