@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 # Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -85,6 +86,72 @@ class Block(nn.Module):
         return x
 
 
+# Rows of the (B*T, vocab) logits the loss head holds at once: 1024 x 50304 fp32 is 206 MB, against 1.65 GB for all
+# 8 x 1024 rows, and each chunk's matmul is still large enough to run at full speed.
+LOSS_CHUNK_ROWS = 1024
+
+
+def _loss_chunks(x, weight, targets, chunk_size, with_grads):
+    """(summed loss, grad_x, grad_weight) of the mean cross-entropy of the logits x @ weight.T, chunk by chunk.
+    The matmuls run in the dtype autocast (or the inputs) give them; log-sum-exp and softmax run in fp32. Gradients
+    (softmax - one-hot, over the count of non-ignored targets) are taken here, in the forward, so no chunk's logits
+    outlive it; with_grads=False skips them (validation, sampling). grad_weight accumulates in fp32."""
+    # cast once, not per chunk and per matmul as autocast would (it caches casts of leaf parameters only)
+    device_type = x.device.type
+    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else weight.dtype
+    x, weight = x.to(dtype), weight.to(dtype)
+    valid = targets != -100  # F.cross_entropy's default ignore_index
+    count = valid.sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
+    safe_targets = torch.where(valid, targets, 0)
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
+    for start in range(0, x.size(0), chunk_size):
+        rows = slice(start, start + chunk_size)
+        x_chunk, t_chunk, v_chunk = x[rows], safe_targets[rows, None], valid[rows]
+        logits = (x_chunk @ weight.t()).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        loss = loss + ((lse - logits.gather(1, t_chunk).squeeze(1)) * v_chunk).sum()
+        if with_grads:
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax in place: one fp32 chunk alive at a time
+            probs.scatter_add_(1, t_chunk, torch.full_like(t_chunk, -1, dtype=probs.dtype))
+            grad_logits = probs.mul_(v_chunk[:, None] / count).to(weight.dtype)
+            grad_x[rows] = grad_logits @ weight
+            if grad_logits.dtype == torch.float32:
+                torch.addmm(grad_weight, grad_logits.t(), x_chunk, out=grad_weight)  # no (vocab x C) temporary
+            else:
+                grad_weight += (grad_logits.t() @ x_chunk).float()
+    return loss / count, grad_x, grad_weight
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """mean cross_entropy(x @ weight.T, targets, ignore_index=-100) without the (rows x vocab) logits: the forward
+    takes the gradients chunk by chunk and keeps only grad_x and grad_weight, the backward scales them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk_size):
+        loss, grad_x, grad_weight = _loss_chunks(x, weight, targets, chunk_size, with_grads=True)
+        ctx.save_for_backward(grad_x.to(x.dtype), grad_weight.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_x, grad_weight = ctx.saved_tensors
+        return grad_x * grad_output, grad_weight * grad_output, None, None
+
+
+def chunked_cross_entropy(x, weight, targets, chunk_size=None):
+    """The loss of a linear output layer: mean F.cross_entropy(x @ weight.T, targets, ignore_index=-100) in fp32
+    for x (rows, C), weight (vocab, C), targets (rows,), never materialising the full logits. chunk_size rows
+    (default LOSS_CHUNK_ROWS) are processed at a time. Unlike F.cross_entropy, a batch whose targets are all ignored
+    gives loss 0 and zero gradients instead of nan."""
+    chunk_size = chunk_size or LOSS_CHUNK_ROWS
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(x, weight, targets, chunk_size)
+    return _loss_chunks(x, weight, targets, chunk_size, with_grads=False)[0]
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -99,6 +166,10 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        # recompute each block's activations in the backward instead of keeping them (torch.utils.checkpoint): less
+        # memory for bigger models or batches, about a third more compute. A switch, not a config field: checkpoints
+        # and exported weights are the same either way.
+        self.activation_checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -135,13 +206,15 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len=None):
-        """Training (forward + backward) FLOPs per token, nanoGPT/PaLM convention (PaLM paper, appendix B):
-        6N + 12*L*H*Q*T with N = num_params(non_embedding=True), L layers, H heads, Q head size, T = seq_len
-        (default block_size) and attention counted over the full T x T square. About 0.86e9 for GPT-2 124M at
-        T=1024. Padded vocabulary rows are not counted (they are not model FLOPs)."""
+        """Training (forward + backward) FLOPs per token in llm.c's convention (train_gpt2.cu, gpt2_estimate_mfu),
+        so MFU compares with llm.c's: 6*N + 6*L*C*T, N = every parameter as llm.c counts them (wpe and the padded
+        vocabulary rows included, the tied wte/lm_head once), L layers, C = n_embd, T = seq_len (default
+        block_size); 6*L*C*T is causal attention (half of the T x T square). About 0.80e9 for GPT-2 124M (vocab
+        padded to 50304) at T=1024."""
         cfg = self.config
         T = seq_len or cfg.block_size
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_head * (cfg.n_embd // cfg.n_head) * T
+        n = sum(p.numel() for p in self.parameters())  # parameters() lists the tied weight once
+        return 6 * n + 6 * cfg.n_layer * cfg.n_embd * T
 
     def forward(self, idx, targets=None):
         B, T = idx.size()
@@ -149,17 +222,18 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x)
+            # per block, as torchtitan applies it; composes with block.compile() and FSDP2's per-block fully_shard
+            x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)
-        if logits.size(-1) != self.config.vocab_size:
-            logits = logits[..., :self.config.vocab_size]  # padded rows are never seen, by the loss or by the caller
-        loss = None
-        if targets is not None:
-            # the softmax over 50K logits loses too much in bf16: always take the loss in fp32
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
-        return logits, loss
+        # the padded vocabulary rows are sliced off the weight, so no logit, loss or gradient ever reaches them
+        weight = self.lm_head.weight[:self.config.vocab_size]
+        if targets is None:  # sampling and evaluation: the logits of the real vocabulary
+            return F.linear(x, weight), None
+        # training and validation: the loss alone, in fp32 (the softmax over 50K logits loses too much in bf16),
+        # taken chunk by chunk so the full logits are never held; the caller must not ask for them
+        return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -1,0 +1,83 @@
+"""Training-step throughput (forward, backward, AdamW step) of model.GPT against nanoGPT's GPT (bench/nanogpt_model.py)
+on the same tokens from the same weights: 4 layers, 128 wide, 4 heads, T=64, B=8, vocabulary 50257 padded to 50304
+(nanoGPT computes logits and loss over all 50304 rows, we over the real 50257). The two models alternate step by step,
+fp32 and bf16 autocast; the median of the timed steps is compared.
+
+    python bench/bench_step_vs_nanogpt.py
+    python bench/bench_step_vs_nanogpt.py --steps 20 --device cuda
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import nanogpt_model  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+
+def build(args):
+    """nanoGPT's model with its own init, and ours loaded from its state dict (the same names and layout)."""
+    torch.manual_seed(0)
+    theirs = nanogpt_model.GPT(nanogpt_model.GPTConfig(block_size=args.seq_len, vocab_size=50304, n_layer=4,
+                                                       n_head=4, n_embd=128, dropout=0.0, bias=True))
+    ours = GPT(GPTConfig(block_size=args.seq_len, vocab_size=50257, padded_vocab_size=50304, n_layer=4, n_head=4,
+                         n_embd=128))
+    ours.load_state_dict(theirs.state_dict())
+    models = {"nanoGPT": theirs.to(args.device), "ours": ours.to(args.device)}
+    # the same optimizer for both: nanoGPT's configure_optimizers only reads named_parameters()
+    optimizers = {name: nanogpt_model.GPT.configure_optimizers(m, 0.1, 6e-4, (0.9, 0.95), args.device)
+                  for name, m in models.items()}
+    return models, optimizers
+
+
+def step_seconds(models, optimizers, idx, targets, dtype, args):
+    def step(name):
+        with torch.autocast(args.device, dtype=dtype, enabled=dtype != torch.float32):
+            _, loss = models[name](idx, targets)
+        loss.backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return loss.item()
+
+    times, losses = {name: [] for name in models}, {}
+    for i in range(args.warmup + args.steps):
+        for name in models:
+            start = time.perf_counter()
+            losses[name] = step(name)
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}, losses
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
+    idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    print(f"GPT 4x128, 4 heads, B={args.batch_size} T={args.seq_len}, vocab 50304, AdamW, {args.device}, "
+          f"median of {args.steps} steps after {args.warmup} warm-up, alternating")
+    for dtype in (torch.float32, torch.bfloat16):
+        models, optimizers = build(args)  # fresh, identical weights for each precision
+        seconds, losses = step_seconds(models, optimizers, idx, targets, dtype, args)
+        tps = {name: idx.numel() / s for name, s in seconds.items()}
+        label = "fp32" if dtype == torch.float32 else "bf16 autocast"
+        print(f"{label:14s} ours {tps['ours']:8.0f} tok/s, nanoGPT {tps['nanoGPT']:8.0f} tok/s, "
+              f"ours/nanoGPT tok/s ratio {tps['ours'] / tps['nanoGPT']:.2f}x  (last losses: ours "
+              f"{losses['ours']:.4f}, nanoGPT {losses['nanoGPT']:.4f})")
+
+
+if __name__ == "__main__":
+    main()
