@@ -1,10 +1,11 @@
-"""Training-step throughput (forward, backward, AdamW step) of model.GPT against nanoGPT's GPT (bench/nanogpt_model.py)
-on the same tokens from the same weights: 4 layers, 128 wide, 4 heads, T=64, B=8, vocabulary 50257 padded to 50304
+"""Training-step throughput (forward, backward, AdamW step) of model.GPT against nanoGPT's GPT (its model.py, from a
+checkout of github.com/karpathy/nanoGPT given by --nanogpt or $NANOGPT_DIR; it is not shipped here) on the same tokens from the same weights: 4 layers, 128 wide, 4 heads, T=64, B=8, vocabulary 50257 padded to 50304
 (nanoGPT computes logits and loss over all 50304 rows, we over the real 50257). The two models alternate step by step,
 fp32 and bf16 autocast; the median of the timed steps is compared.
 
-    python bench/bench_step_vs_nanogpt.py
-    python bench/bench_step_vs_nanogpt.py --steps 20 --device cuda
+    git clone https://github.com/karpathy/nanoGPT ../nanoGPT
+    python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT
+    python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT --steps 20 --device cuda
 """
 import argparse
 import os
@@ -15,22 +16,35 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nanogpt_model  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+
+
+def import_nanogpt(directory):
+    """nanoGPT's model.py as a module, from a checkout (its GPT, GPTConfig and configure_optimizers are used)."""
+    import importlib.util
+
+    path = os.path.join(directory or "", "model.py")
+    if not directory or not os.path.isfile(path):
+        sys.exit(f"bench_step_vs_nanogpt.py: error: nanoGPT's model.py not found at {path!r}; clone "
+                 f"https://github.com/karpathy/nanoGPT and pass --nanogpt DIR (or set NANOGPT_DIR)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build(args):
     """nanoGPT's model with its own init, and ours loaded from its state dict (the same names and layout)."""
     torch.manual_seed(0)
-    theirs = nanogpt_model.GPT(nanogpt_model.GPTConfig(block_size=args.seq_len, vocab_size=50304, n_layer=4,
-                                                       n_head=4, n_embd=128, dropout=0.0, bias=True))
+    nanogpt = args.nanogpt_model
+    theirs = nanogpt.GPT(nanogpt.GPTConfig(block_size=args.seq_len, vocab_size=50304, n_layer=4, n_head=4, n_embd=128,
+                                           dropout=0.0, bias=True))
     ours = GPT(GPTConfig(block_size=args.seq_len, vocab_size=50257, padded_vocab_size=50304, n_layer=4, n_head=4,
                          n_embd=128))
     ours.load_state_dict(theirs.state_dict())
     models = {"nanoGPT": theirs.to(args.device), "ours": ours.to(args.device)}
     # the same optimizer for both: nanoGPT's configure_optimizers only reads named_parameters()
-    optimizers = {name: nanogpt_model.GPT.configure_optimizers(m, 0.1, 6e-4, (0.9, 0.95), args.device)
+    optimizers = {name: nanogpt.GPT.configure_optimizers(m, 0.1, 6e-4, (0.9, 0.95), args.device)
                   for name, m in models.items()}
     return models, optimizers
 
@@ -63,7 +77,9 @@ def main():
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--nanogpt", default=os.environ.get("NANOGPT_DIR"), help="a nanoGPT checkout")
     args = parser.parse_args()
+    args.nanogpt_model = import_nanogpt(args.nanogpt)
     generator = torch.Generator().manual_seed(1)
     data = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
