@@ -659,13 +659,13 @@ def setup(cfg, rank, world_size, device):
     """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation
     inputs. Returns (model, optimizer, step, consumed_samples, ctx)."""
     master = rank == 0
-    if cfg.global_batch_size % (cfg.local_batch_size * world_size):
+    if cfg.global_batch_size % (cfg.local_batch_size * world_size) and not cfg.eval_only:
         raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
                          f"{cfg.local_batch_size} x world size {world_size} = {cfg.local_batch_size * world_size}")
     log = RunLog(cfg.out_dir, master)
     ckpt_root, resume_path = prepare_out_dir(cfg, master)
     train_data, val_data = build_data(cfg, log, master)
-    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
+    grad_accum_steps = max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))
     if master:
         print(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation {grad_accum_steps}; "
               + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
