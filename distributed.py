@@ -41,3 +41,13 @@ def broadcast_object(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def any_rank(flag):
+    """Whether `flag` is true on any rank (a collective: every rank calls it)."""
+    if not dist.is_initialized():
+        return bool(flag)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor(float(bool(flag)), device=device)
+    dist.all_reduce(total)
+    return total.item() > 0

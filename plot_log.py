@@ -174,6 +174,9 @@ def main(argv=None):
         plot(runs, args.output, loss_max=args.loss_max, references=references)
     except (FileNotFoundError, ValueError, ImportError) as e:
         sys.exit(f"plot_log.py: error: {e}")
+    except OSError as e:  # -o under a file, in a read-only directory, on a full disk
+        sys.exit(f"plot_log.py: error: -o {args.output}: {e.filename or args.output}: {e.strerror or e}; choose "
+                 f"another output path")
     for label, streams in runs + references:
         print(summary(label, streams))
     print(f"wrote {args.output}")

@@ -58,6 +58,12 @@ def main(argv=None):
         parser.error("--temperature must be >= 0")
     if args.top_k < 0:
         parser.error("--top-k must be >= 0")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu")
 
     try:
         model = load_model(args.model).to(args.device)

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import types
 import typing
 from dataclasses import dataclass
@@ -37,13 +38,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict)
 
 import hellaswag
-from checkpoint import (complete_checkpoints, is_run_or_checkpoint, load_checkpoint, load_weights, read_train_state,
-                        resolve_checkpoint, save_checkpoint)
+from atomic_io import atomic_write, fsync_dir
+from checkpoint import (assert_finite, complete_checkpoints, is_run_or_checkpoint, load_checkpoint, load_weights,
+                        newest_usable_checkpoint, read_train_state, resolve_checkpoint, save_checkpoint)
 from distributed import barrier, broadcast_object, setup_distributed
 from dataset_tools import check_token_range
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
                              sequential_samples, token_weighted_blend)
 from model import GPT, GPTConfig
+from run_dir import HF_MARKER, RunLock, check_out_dir, move_old_logs, os_error_message
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
 
@@ -127,6 +130,24 @@ def load_config(argv):
             raise ValueError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
         return value
 
+    def exec_config(path):
+        """The namespace of config file `path` run as Python; its errors become one ValueError naming file:line."""
+        namespace = {}
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            exec(compile(text, path, "exec"), namespace)
+        except SyntaxError as e:
+            raise ValueError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+        except SystemExit as e:  # a config must not end the run, least of all with exit status 0
+            raise ValueError(f"{path}: the config file called sys.exit({e.code!r}); a config only assigns values") \
+                from None
+        except Exception as e:
+            line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                         if frame.filename == path), "?")
+            raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
+        return namespace
+
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
@@ -145,9 +166,7 @@ def load_config(argv):
         else:
             if not os.path.isfile(arg):
                 raise FileNotFoundError(f"{arg}: config file not found")
-            namespace = {}
-            with open(arg, encoding="utf-8") as f:
-                exec(compile(f.read(), arg, "exec"), namespace)
+            namespace = exec_config(arg)
             for key, value in namespace.items():
                 if not key.startswith("_") and not isinstance(value, types.ModuleType):
                     values[key] = checked(key, value, arg)
@@ -178,6 +197,9 @@ def check_config(cfg):
     for key, choices in dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32")).items():
         if getattr(cfg, key) not in choices:
             raise ValueError(f"config: {key} must be one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
+    for key in ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip", "beta1", "beta2"):
+        if not math.isfinite(getattr(cfg, key)):
+            raise ValueError(f"config: {key} must be a finite number, got {getattr(cfg, key)}")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         raise ValueError(f"config: beta1 and beta2 must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
 
@@ -365,7 +387,9 @@ def validation_loss(model, val_data, batch_size, device, autocast):
 
 class StopRequest:
     """Remembers SIGTERM/SIGINT (preemption, Ctrl-C) so the loop can checkpoint at the next step boundary and exit.
-    A second signal gets the previous handler: Ctrl-C twice interrupts at once."""
+    A second signal gets the previous handler: Ctrl-C twice interrupts at once. `received` keeps the number of the
+    latest signal in this process, so main can exit 128 + signum (143 after SIGTERM) and a scheduler requeues the run."""
+    received = None
 
     def __init__(self):
         self.signal = None
@@ -373,6 +397,7 @@ class StopRequest:
 
     def handle(self, signum, frame):
         self.signal = signal.Signals(signum).name
+        StopRequest.received = signum
         self.restore()
 
     def restore(self):
@@ -401,21 +426,36 @@ class RunLog:
 
 
 def prepare_out_dir(cfg, master):
-    """Create out_dir/ckpt, write train_config.json, and return (ckpt_root, newest complete checkpoint or None).
-    A temporary checkpoint directory is what a write interrupted before its rename leaves; it is never resumed from."""
+    """Check and lock out_dir, create out_dir/ckpt, write train_config.json, and return (ckpt_root, the newest
+    usable checkpoint or None). Rank 0 does the work and every rank raises its error, if any. The lock (see run_dir)
+    is taken by global rank 0 only: it stands for the whole run, and the other ranks, on this node or others, belong
+    to that same run. A temporary checkpoint directory is what a write interrupted before its rename leaves; it is
+    never resumed from. Damaged checkpoints are renamed aside; a fresh run moves an earlier run's logs aside."""
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
+    error = resume_path = None
     if master:
-        os.makedirs(ckpt_root, exist_ok=True)
-        for name in os.listdir(ckpt_root):
-            if name.endswith(".tmp"):
-                print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
-                shutil.rmtree(os.path.join(ckpt_root, name))
-        with open(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
-    barrier()
-    found = complete_checkpoints(ckpt_root)
-    return ckpt_root, (found[-1] if found else None)
+        try:
+            check_out_dir(cfg.out_dir)
+            os.makedirs(ckpt_root, exist_ok=True)
+            RunLock.acquire(cfg.out_dir)
+            for name in os.listdir(ckpt_root):
+                if name.endswith(".tmp"):  # ours: the lock says no other run is writing it
+                    print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
+                    shutil.rmtree(os.path.join(ckpt_root, name))
+            resume_path, messages = newest_usable_checkpoint(ckpt_root)
+            if resume_path is None:
+                messages += move_old_logs(cfg.out_dir)
+            for message in messages:
+                print(message)
+            with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
+                json.dump(dataclasses.asdict(cfg), f, indent=2)
+            print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        except (ValueError, OSError) as e:
+            error = e
+    error, resume_path = broadcast_object((error, resume_path))
+    if error is not None:
+        raise error
+    return ckpt_root, resume_path
 
 
 def build_data(cfg, log, master):
@@ -642,15 +682,31 @@ class StepLog:
 
 
 def export_hf(model, cfg, master):
-    """The final weights for transformers (and everything else that reads Hugging Face GPT-2 directories)."""
+    """The final weights for transformers (and everything else that reads Hugging Face GPT-2 directories), written to
+    a temporary directory and renamed to out_dir/hf. An hf/ there is replaced only when it carries HF_MARKER (or is
+    an export of the code before markers: config.json and model.safetensors alone); anything else is moved aside."""
+    assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
     t0 = time.perf_counter()
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     hf_dir = os.path.join(cfg.out_dir, "hf")
     if master:
-        shutil.rmtree(hf_dir + ".tmp", ignore_errors=True)
-        model.save_pretrained(hf_dir + ".tmp", state_dict=full_state)
-        shutil.rmtree(hf_dir, ignore_errors=True)
-        os.rename(hf_dir + ".tmp", hf_dir)
+        tmp = os.path.join(cfg.out_dir, f".hf.{os.getpid()}.tmp")
+        model.save_pretrained(tmp, state_dict=full_state)
+        with atomic_write(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:
+            json.dump(dict(written_by="train_gpt2.py", step=cfg.max_steps), f)
+        old = None
+        if os.path.isdir(hf_dir):
+            entries = set(os.listdir(hf_dir))
+            ours = HF_MARKER in entries or entries <= {"config.json", "model.safetensors", "generation_config.json"}
+            old = os.path.join(cfg.out_dir, f".hf.{os.getpid()}.old") if ours else \
+                f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(hf_dir, old)
+            if not ours:
+                print(f"{hf_dir} was not written by train_gpt2.py; moved to {old}")
+        os.rename(tmp, hf_dir)
+        fsync_dir(cfg.out_dir)
+        if old is not None and old.endswith(".old"):
+            shutil.rmtree(old)
         print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
     barrier()
 
@@ -767,18 +823,26 @@ def train(cfg, rank, world_size, device):
 
 
 def main(argv=None):
+    """Train; return the exit status: 0 when the run finished, 128 + signum when SIGTERM/SIGINT stopped it early
+    (after its checkpoint), so a scheduler sees an interrupted run and requeues it."""
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
+    StopRequest.received = None
     try:
         train(cfg, rank, world_size, device)
     finally:
+        RunLock.release_all()
         if dist.is_initialized():
             dist.destroy_process_group()
+    return 0 if StopRequest.received is None else 128 + StopRequest.received
 
 
 if __name__ == "__main__":
+    prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        main()
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:
-        prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        status = main()
+    except (ValueError, FloatingPointError) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
+    except OSError as e:  # a file or directory the run cannot use: full disk, read-only, a file in the path
+        sys.exit(f"{prefix}train_gpt2.py: error: {os_error_message(e)}")
+    sys.exit(status)
