@@ -16,7 +16,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
@@ -139,7 +138,7 @@ def assert_finite(model, what, ckpt_root):
         raise FloatingPointError(
             f"{what}: parameters hold NaN or inf ("
             + (", ".join(bad[:3]) if bad else "on another rank") + "); nothing was written. The last good "
-            f"checkpoint is " + (kept[-1] if kept else "none (none was written)"))
+            "checkpoint is " + (kept[-1] if kept else "none (none was written)"))
 
 
 def fsync_tree(path):

@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import struct
-import sys
 import time
 from array import array
 

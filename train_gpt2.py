@@ -388,7 +388,8 @@ def validation_loss(model, val_data, batch_size, device, autocast):
 class StopRequest:
     """Remembers SIGTERM/SIGINT (preemption, Ctrl-C) so the loop can checkpoint at the next step boundary and exit.
     A second signal gets the previous handler: Ctrl-C twice interrupts at once. `received` keeps the number of the
-    latest signal in this process, so main can exit 128 + signum (143 after SIGTERM) and a scheduler requeues the run."""
+    latest signal in this process, so a stopped run exits 128 + signum (143 after SIGTERM) and a scheduler requeues
+    it; a run that finished exits 0 even if a signal came during its last step."""
     received = None
 
     def __init__(self):
@@ -774,7 +775,7 @@ def train(cfg, rank, world_size, device):
     model, optimizer, step, consumed_samples, ctx = setup(cfg, rank, world_size, device)
     if cfg.eval_only:
         evaluate(model, step, cfg, ctx)
-        return
+        return 0
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples, cfg.local_batch_size,
                                       rank, world_size))
     batches = Prefetcher(ctx.train_data, sampler, ctx.grad_accum_steps, device)
@@ -814,12 +815,13 @@ def train(cfg, rank, world_size, device):
                                    model_config=dataclasses.asdict(ctx.model_config), config=dataclasses.asdict(cfg))
                 path = save_checkpoint(ctx.ckpt_root, model, optimizer, train_state, cfg.ckpt_keep, rank)
                 ctx.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-            if stop_requested:
+            if stop_requested:  # exit 128 + signum (143 for SIGTERM, also on ranks that only heard of it)
                 ctx.log(f"stopped by a signal after step {done}; rerun the same command to resume")
-                return
+                return 128 + (StopRequest.received or signal.SIGTERM)
     finally:
         stop.restore()
     export_hf(model, cfg, ctx.master)
+    return 0
 
 
 def main(argv=None):
@@ -829,12 +831,11 @@ def main(argv=None):
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
     StopRequest.received = None
     try:
-        train(cfg, rank, world_size, device)
+        return train(cfg, rank, world_size, device)
     finally:
         RunLock.release_all()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0 if StopRequest.received is None else 128 + StopRequest.received
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import ROOT
 import checkpoint
