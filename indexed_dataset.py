@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import struct
-import sys
 import time
 from array import array
 
@@ -39,6 +38,7 @@ import numpy as np
 
 from blending import blending_indices
 from index_cache import CACHE_FORMAT, cache_dirs, cached, distributed, log, source_key
+from token_windows import TokenWindows, Tokens
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
@@ -680,58 +680,6 @@ def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
 # Validation: windows of a token stream, in order
 
 
-class TokenWindows:
-    """Windows of a token stream in order: window k is stream[k*T : k*T + T + 1], returned as {"tokens": its first T,
-    "labels": its last T} (int64), so consecutive windows share one token, as llm.c's loader reads.
-
-    pieces: [(dataset, sequence ids), ...] that make the stream, in order; a dataset needs only sequence_lengths and
-    get(i, offset, length)."""
-
-    def __init__(self, pieces, seq_length, length):
-        self.pieces, self.seq_length, self.length = pieces, seq_length, length
-        self.piece_starts = []  # token offsets in the stream of each piece's sequences, plus its end
-        total = 0
-        for dataset, sequences in pieces:
-            starts = np.empty(len(sequences) + 1, dtype=np.int64)
-            starts[0] = total
-            np.cumsum(dataset.sequence_lengths[sequences], dtype=np.int64, out=starts[1:])
-            starts[1:] += total
-            total = int(starts[-1])
-            self.piece_starts.append(starts)
-        self.num_tokens = total
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, i):
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        i %= len(self)
-        start, stop = i * self.seq_length, i * self.seq_length + self.seq_length + 1
-        parts = []
-        for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
-            if starts[-1] <= start or starts[0] >= stop:
-                continue
-            first = max(np.searchsorted(starts, start, side="right") - 1, 0)
-            last = min(np.searchsorted(starts, stop, side="left"), len(sequences))
-            for k in range(first, last):
-                begin = max(start - starts[k], 0)
-                parts.append(dataset.get(sequences[k], begin, min(stop, starts[k + 1]) - starts[k] - begin))
-        text = np.concatenate(parts).astype(np.int64)
-        return {"tokens": text[:-1], "labels": text[1:]}
-
-
-class _Tokens:
-    """A few tokens posing as a one-sequence dataset, to lead a TokenWindows stream."""
-
-    def __init__(self, tokens):
-        self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.sequence_lengths = np.array([len(self.tokens)], dtype=np.int64)
-
-    def get(self, i, offset=0, length=None):
-        return self.tokens[offset:None if length is None else offset + length]
-
-
 class LLMCValWindows(TokenWindows):
     """llm.c's validation batches: the stream [eot] + every document of `path_prefix` (a prefix or glob: its sorted
     prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes; llm.c's val
@@ -743,7 +691,7 @@ class LLMCValWindows(TokenWindows):
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         prefixes = resolve_blend(path_prefix)[0]
-        pieces = [(_Tokens([eot]), np.arange(1))]
+        pieces = [(Tokens([eot]), np.arange(1))]
         pieces += [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
         windows = int(num_tokens) // int(seq_length)
         super().__init__(pieces, int(seq_length), windows)

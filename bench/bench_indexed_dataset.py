@@ -5,9 +5,11 @@ The data is a glob of shards read as NeMo AutoModel's FineWeb recipe reads them 
   build   cold start: build the GPT and blend indices and write them to a cache directory
   load    warm start: load them back from that cache (LOADS runs per side, alternating; the minimum time counts)
   access  random-access samples/s of the train split (ds[i] of 20k random indices, their pages already touched)
-Times are wall clock (and CPU time for the build, steadier on a shared machine). Memory is the growth of peak RSS
-over the process's RSS just before building/loading (so megatron's torch import does not count against it). Ratios are megatron / ours for times and memory, ours / megatron for samples/s:
-above 1 means ours is better.
+Times are wall clock (and CPU time for the build, steadier on a shared machine; our build's wall time includes
+fsyncing every cache file, as atomic_io does for every file the project publishes, which megatron does not). Memory
+is the growth of peak RSS over the process's RSS just before building/loading (so megatron's torch import does not
+count against it). Ratios are megatron / ours for times and memory, ours / megatron for samples/s: above 1 means
+ours is better.
 
 Default: 500k documents (about 0.5B tokens) in 4 shards, about a minute. --full: FineWeb-Edu 10BT's size,
 9.7M documents and about 10B tokens (the .bin files are sparse, so they take no disk space; the index files and
