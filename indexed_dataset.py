@@ -38,6 +38,7 @@ import numpy as np
 
 from blending import blending_indices
 from index_cache import CACHE_FORMAT, cache_dirs, cached, distributed, log, source_key
+from token_windows import TokenWindows, Tokens
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
@@ -60,19 +61,20 @@ def optimal_dtype(vocab_size):
 class IndexedDataset:
     """Memory-mapped reader of `<path_prefix>.bin` + `<path_prefix>.idx`; `ds[i]` is sequence i's tokens.
 
-    Opening checks that the index is consistent and describes the .bin exactly (one pass over the index, none over
-    the tokens), so a damaged or mismatched pair fails here, naming the file, instead of training on garbage.
-    The returned arrays are read-only views into the memory map, which stays open as long as any of them lives.
+    Opening checks the header against the file sizes, and with `check` (the default) the whole index against itself
+    and the .bin (`check()`: one pass over the index, none over the tokens), so a damaged or mismatched pair fails
+    here, naming the file, instead of training on garbage. The returned arrays are read-only views into the memory
+    map, which stays open as long as any of them lives.
     """
 
-    def __init__(self, path_prefix):
+    def __init__(self, path_prefix, check=True):
         self.path_prefix = str(path_prefix)
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
                 hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else ""
                 raise FileNotFoundError(f"{path}: no such file{hint}")
-        self.idx_stat = os.stat(idx_path)  # size and mtime key the index cache
+        self.idx_stat, self.bin_stat = os.stat(idx_path), os.stat(bin_path)  # they key the index cache
         code, num_sequences, num_boundaries = _read_header(idx_path, self.idx_stat.st_size)
         self.dtype = np.dtype(DTYPES[code])
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
@@ -82,16 +84,25 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(self._index, "<i8", num_sequences, offset)
         offset += 8 * num_sequences
         self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, offset)
-        bin_size = os.path.getsize(bin_path)
-        _check_index(self, idx_path, bin_path, bin_size)
+        if self.document_indices[0] != 0 or self.document_indices[-1] != num_sequences:
+            raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} to "
+                             f"{self.document_indices[-1]}, not from 0 to the sequence count {num_sequences}")
+        if check:
+            self.check()
+        elif num_sequences:  # the .bin's size from the last sequence alone
+            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            self._check_bin_size(end)
+        else:
+            self._check_bin_size(0)
         # numpy cannot map an empty file; an empty dataset has no tokens to map anyway
-        self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+        size = self.bin_stat.st_size
+        self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.empty(0, self.dtype)
 
     def __getstate__(self):  # DataLoader workers reopen the files instead of pickling the mapped tokens
         return {"path_prefix": self.path_prefix}
 
     def __setstate__(self, state):
-        self.__init__(state["path_prefix"])
+        self.__init__(state["path_prefix"], check=False)  # checked where it was first opened
 
     def __len__(self):
         return len(self.sequence_lengths)
@@ -120,6 +131,48 @@ class IndexedDataset:
     def num_tokens(self):
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
+    def check(self):
+        """Raise ValueError naming the file unless document boundaries never decrease, no length is negative, each
+        pointer is the running sum of the lengths before it in bytes of the dtype (a wrong dtype code breaks this),
+        and the .bin holds exactly every sequence. One pass over the index, read from the file in blocks rather than
+        through the map, so that its pages do not stay in this process's memory."""
+        idx_path, S, D = self.path_prefix + ".idx", len(self), len(self.document_indices)
+        end = 0
+        with open(idx_path, "rb") as f:
+            def read(dtype, offset, count):
+                f.seek(offset)
+                return np.fromfile(f, dtype, max(0, count))
+
+            for first in range(0, max(S, D), CHECK_BLOCK):
+                boundaries = read("<i8", HEADER.size + 12 * S + 8 * first, min(CHECK_BLOCK + 1, D - first))
+                if (np.diff(boundaries) < 0).any():
+                    raise ValueError(f"{idx_path}: corrupt: document boundaries decrease (in documents from {first})")
+                sizes = read("<i4", HEADER.size + 4 * first, min(CHECK_BLOCK, S - first)).astype(np.int64)
+                if sizes.size and sizes.min() < 0:
+                    raise ValueError(f"{idx_path}: corrupt: sequence {first + int(np.argmin(sizes))} has a negative "
+                                     f"length {sizes.min()}")
+                sizes *= self.dtype.itemsize
+                starts = np.cumsum(sizes)
+                starts -= sizes
+                starts += end
+                bad = np.flatnonzero(read("<i8", HEADER.size + 4 * S + 8 * first, len(sizes)) != starts)
+                if bad.size:
+                    k = first + int(bad[0])
+                    raise ValueError(f"{idx_path}: corrupt: sequence {k} starts at byte {self.sequence_pointers[k]} "
+                                     f"of the .bin, but the lengths before it put it at byte {starts[bad[0]]} "
+                                     f"({self.dtype} tokens): a wrong dtype code or damaged pointers")
+                end += int(sizes.sum())
+        self._check_bin_size(end)
+
+    def _check_bin_size(self, expected):
+        bin_path, idx_path, size = self.path_prefix + ".bin", self.path_prefix + ".idx", self.bin_stat.st_size
+        if size % self.dtype.itemsize:
+            raise ValueError(f"{bin_path}: {size} bytes is not a whole number of {self.dtype} tokens")
+        if size != expected:
+            relation, cause = ("shorter", "a truncated") if size < expected else ("longer", "a damaged")
+            raise ValueError(f"{bin_path}: {size} bytes, {relation} than the {expected} bytes its index {idx_path} "
+                             f"says ({cause} .bin, or an index of another file)")
+
 
 def _read_header(idx_path, idx_size):
     """(dtype code, sequence count, document boundary count) of an index, checked against its file size."""
@@ -145,41 +198,6 @@ def _read_header(idx_path, idx_size):
         raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries; the header's "
                          f"counts ({num_sequences} sequences, {num_boundaries - 1} documents) do not fit the file")
     return code, num_sequences, num_boundaries
-
-
-def _check_index(ds, idx_path, bin_path, bin_size):
-    """The index must be consistent and describe the .bin exactly: boundaries from 0 to S and never decreasing,
-    no negative length, each pointer the running sum of the lengths before it in bytes of the dtype (a wrong dtype
-    code breaks this), and the .bin exactly as long as all sequences. One vectorised pass over the index arrays."""
-    lengths, pointers, boundaries = ds.sequence_lengths, ds.sequence_pointers, ds.document_indices
-    if boundaries[0] != 0 or boundaries[-1] != len(lengths):
-        raise ValueError(f"{idx_path}: corrupt: document boundaries run from {boundaries[0]} to {boundaries[-1]}, "
-                         f"not from 0 to the sequence count {len(lengths)}")
-    itemsize, end = ds.dtype.itemsize, 0
-    for first in range(0, max(len(lengths), len(boundaries)), CHECK_BLOCK):
-        block = slice(first, first + CHECK_BLOCK)
-        if (np.diff(boundaries[first:first + CHECK_BLOCK + 1]) < 0).any():
-            raise ValueError(f"{idx_path}: corrupt: document boundaries decrease (in documents from {first})")
-        part = lengths[block].astype(np.int64)
-        if part.size and part.min() < 0:
-            raise ValueError(f"{idx_path}: corrupt: sequence {first + int(np.argmin(part))} has a negative length "
-                             f"{part.min()}")
-        starts = np.cumsum(part * itemsize)
-        starts -= part * itemsize
-        starts += end
-        bad = np.flatnonzero(pointers[block] != starts)
-        if bad.size:
-            k = int(bad[0])
-            raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte {pointers[first + k]} of the "
-                             f".bin, but the lengths before it put it at byte {starts[k]} ({ds.dtype} tokens): "
-                             f"a wrong dtype code or damaged pointers")
-        end += int(part.sum()) * itemsize
-    if bin_size % itemsize:
-        raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {ds.dtype} tokens")
-    if bin_size != end:
-        relation = "shorter" if bin_size < end else "longer"
-        raise ValueError(f"{bin_path}: {bin_size} bytes, {relation} than the {end} bytes its index {idx_path} says "
-                         f"(a {'truncated' if bin_size < end else 'damaged'} .bin, or an index of another file)")
 
 
 class IndexedDatasetBuilder:
@@ -515,7 +533,8 @@ class BlendedDataset:
         def build():
             t0 = time.time()
             dataset_index, dataset_sample_index = blending_indices(weights, size)
-            draws = np.bincount(dataset_index, minlength=len(datasets)).astype(np.int64)
+            draws = sum((np.bincount(dataset_index[i:i + (1 << 20)], minlength=len(datasets))  # bounded temporaries
+                         for i in range(0, len(dataset_index), 1 << 20)), np.zeros(len(datasets), np.int64))
             log(f"{split} blend of {len(datasets)} datasets, {len(dataset_index)} samples, built in "
                  f"{time.time() - t0:.2f}s")
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index, "draws": draws}
@@ -562,7 +581,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     seq_length, seed, sizes = int(seq_length), int(seed), [None if s is None else int(s) for s in sizes]
     prefixes, weights = resolve_blend(paths)
     matrix = split_matrix(split)
-    datasets = [IndexedDataset(prefix) for prefix in prefixes]
+    datasets = [IndexedDataset(prefix, check=False) for prefix in prefixes]  # checked in build(), once per file
     if weights is not None:
         missing = [SPLITS[i] for i in range(3) if matrix[i] is not None and sizes[i] is None]
         if missing:
@@ -571,6 +590,8 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     dirs, blend_dir = cache_dirs(prefixes, cache_dir, fallback_cache_dir, len(prefixes) > 1 or weights is not None)
 
     def build(write_cache):
+        for dataset, directory in zip(datasets, dirs):
+            _check_once(dataset, directory, write_cache)
         options = dict(seq_length=seq_length, seed=seed, write_cache=write_cache, split_string=split)
         if weights is None and len(prefixes) == 1:
             return [_gpt_split(datasets[0], matrix, i, sizes[i], cache_dir=dirs[0], **options) for i in range(3)]
@@ -597,6 +618,19 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
             raise RuntimeError(f"rank 0 could not build the datasets: {failure[0]}")
         result = build(write_cache=False)
     return tuple(result)
+
+
+def _check_once(dataset, cache_dir, write):
+    """dataset.check(), remembered in the index cache for these very files (their paths, sizes and mtimes): a warm
+    start skips the pass over the index as it skips rebuilding the indices, which makes it as cheap as megatron's."""
+    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "source": source_key(dataset),
+           "bin": [dataset.bin_stat.st_size, dataset.bin_stat.st_mtime_ns]}
+
+    def check():
+        dataset.check()
+        return {}  # nothing to keep but the fact
+
+    cached(cache_dir, "IndexedDataset-checked", key, check, write)
 
 
 def _blend_split(datasets, weights, matrix, i, size, dirs, blend_dir, *, split_string, **options):
@@ -646,58 +680,6 @@ def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
 # Validation: windows of a token stream, in order
 
 
-class TokenWindows:
-    """Windows of a token stream in order: window k is stream[k*T : k*T + T + 1], returned as {"tokens": its first T,
-    "labels": its last T} (int64), so consecutive windows share one token, as llm.c's loader reads.
-
-    pieces: [(dataset, sequence ids), ...] that make the stream, in order; a dataset needs only sequence_lengths and
-    get(i, offset, length)."""
-
-    def __init__(self, pieces, seq_length, length):
-        self.pieces, self.seq_length, self.length = pieces, seq_length, length
-        self.piece_starts = []  # token offsets in the stream of each piece's sequences, plus its end
-        total = 0
-        for dataset, sequences in pieces:
-            starts = np.empty(len(sequences) + 1, dtype=np.int64)
-            starts[0] = total
-            np.cumsum(dataset.sequence_lengths[sequences], dtype=np.int64, out=starts[1:])
-            starts[1:] += total
-            total = int(starts[-1])
-            self.piece_starts.append(starts)
-        self.num_tokens = total
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, i):
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        i %= len(self)
-        start, stop = i * self.seq_length, i * self.seq_length + self.seq_length + 1
-        parts = []
-        for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
-            if starts[-1] <= start or starts[0] >= stop:
-                continue
-            first = max(np.searchsorted(starts, start, side="right") - 1, 0)
-            last = min(np.searchsorted(starts, stop, side="left"), len(sequences))
-            for k in range(first, last):
-                begin = max(start - starts[k], 0)
-                parts.append(dataset.get(sequences[k], begin, min(stop, starts[k + 1]) - starts[k] - begin))
-        text = np.concatenate(parts).astype(np.int64)
-        return {"tokens": text[:-1], "labels": text[1:]}
-
-
-class _Tokens:
-    """A few tokens posing as a one-sequence dataset, to lead a TokenWindows stream."""
-
-    def __init__(self, tokens):
-        self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.sequence_lengths = np.array([len(self.tokens)], dtype=np.int64)
-
-    def get(self, i, offset=0, length=None):
-        return self.tokens[offset:None if length is None else offset + length]
-
-
 class LLMCValWindows(TokenWindows):
     """llm.c's validation batches: the stream [eot] + every document of `path_prefix` (a prefix or glob: its sorted
     prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes; llm.c's val
@@ -709,7 +691,7 @@ class LLMCValWindows(TokenWindows):
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         prefixes = resolve_blend(path_prefix)[0]
-        pieces = [(_Tokens([eot]), np.arange(1))]
+        pieces = [(Tokens([eot]), np.arange(1))]
         pieces += [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
         windows = int(num_tokens) // int(seq_length)
         super().__init__(pieces, int(seq_length), windows)

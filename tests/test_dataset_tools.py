@@ -54,7 +54,7 @@ def test_cli_verify_cache(tmp_path):
     build_gpt_datasets(prefix, seq_length=16, split="90,8,2", sizes=(500, 50, 5))
     cache = os.path.join(prefix, "cache", "GPTDataset_indices")
     result = cli("verify-cache", cache)
-    assert result.returncode == 0 and "3 entries checked" in result.stdout and result.stdout.strip().endswith("OK")
+    assert result.returncode == 0 and "4 entries checked" in result.stdout and result.stdout.strip().endswith("OK")
     [shuffle_index] = glob.glob(os.path.join(cache, "*-GPTDataset-valid-shuffle_index.npy"))
     corrupt(shuffle_index[:-len(".npy")], ".npy", offset=os.path.getsize(shuffle_index) - 1, data=b"\xff")
     result = cli("verify-cache", cache)

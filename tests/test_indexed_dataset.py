@@ -322,10 +322,11 @@ def test_cache_is_built_once_then_loaded(dataset, tmp_path, capfd):
     for a, b, c in zip(fresh, first, second):
         assert same_samples(a, b) and same_samples(a, c)
     names = os.listdir(cache)
-    assert len(names) == 3 * 4 and not [n for n in names if "partial" in n]
+    # 3 splits x (a description and 3 arrays), and the record that the index was checked
+    assert len(names) == 3 * 4 + 1 and not [n for n in names if n.endswith(".tmp")]
     # another request is another cache entry; the old one stays valid
     build(dataset, cache, sizes=(3000, 100, 30))
-    assert len(os.listdir(cache)) == 3 * 4 + 4
+    assert len(os.listdir(cache)) == 3 * 4 + 1 + 4
 
 
 @pytest.mark.parametrize("damage", ["truncate", "description", "missing"])
@@ -350,6 +351,22 @@ def test_damaged_cache_is_rebuilt(dataset, tmp_path, capfd, damage):
     assert all(same_samples(a, b) for a, b in zip(expected, rebuilt))
     build(dataset, cache)
     assert capfd.readouterr().err == ""  # the repaired entry is used
+
+
+def test_the_index_is_checked_once_per_file_version(dataset, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    _, _, _, pointers_at, _ = index_layout(dataset)
+    checks = []
+    real_check = IndexedDataset.check
+    monkeypatch.setattr(IndexedDataset, "check", lambda self: checks.append(self) or real_check(self))
+    build(dataset, cache)
+    assert len(checks) == 1
+    build(dataset, cache)
+    assert len(checks) == 1  # a warm start trusts the check made on these very files
+    corrupt(dataset, ".idx", offset=pointers_at + 5 * 8, data=struct.pack("<q", 3))  # a new mtime: checked again
+    with pytest.raises(ValueError, match=r"\.idx: corrupt: sequence 5 starts at byte 3 of the \.bin"):
+        build(dataset, cache)
+    assert len(checks) == 2
 
 
 def test_verify_cache_finds_what_a_load_does_not_check(dataset, tmp_path):
@@ -387,7 +404,8 @@ def test_blend_cache(tmp_path, capfd):
 
 
 def cache_entries(directory):
-    return sorted(glob.glob(os.path.join(directory, "*.json")))
+    """The index cache's entries in `directory`, less the records that an index was checked."""
+    return sorted(p for p in glob.glob(os.path.join(directory, "*.json")) if not p.endswith("-checked.json"))
 
 
 def test_cache_dir_none_keeps_the_indices_beside_the_data(tmp_path, capfd):

@@ -78,6 +78,8 @@ def test_rank0_builds_the_cache_and_the_other_rank_loads_it(tmp_path):
         for i in range(len(dataset)):
             expected.update(dataset[i]["tokens"].tobytes() + dataset[i]["labels"].tobytes())
     assert f"digest {expected.hexdigest()}" in result.stdout
-    # one manifest per dataset: 2 prefixes x 3 splits and 3 blends; nothing half-written
-    assert len(glob.glob(os.path.join(cache, "*.json"))) == 9
-    assert not glob.glob(os.path.join(cache, "*partial*"))
+    # one description per dataset: 2 prefixes x 3 splits and 3 blends; nothing half-written
+    assert len(glob.glob(os.path.join(cache, "*-GPTDataset-*.json"))) == 6
+    assert len(glob.glob(os.path.join(cache, "*-BlendedDataset-*.json"))) == 3
+    assert len(glob.glob(os.path.join(cache, "*-IndexedDataset-checked.json"))) == 2
+    assert not glob.glob(os.path.join(cache, ".*.tmp"))
