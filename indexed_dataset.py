@@ -49,6 +49,11 @@ EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_finew
 CHECK_BLOCK = 1 << 20  # sequences per step of the index checks: bounds their temporaries
 
 
+def _check_seq_length(seq_length):
+    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
+        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+
+
 def optimal_dtype(vocab_size):
     """Megatron's token dtype for a vocabulary size: uint16 below 65500 ids (GPT-2), else int32."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
@@ -571,8 +576,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
       that is None too). Under torch.distributed, rank 0 builds and writes them while the other ranks wait, then
       they load them (or raise if rank 0 failed).
     """
-    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
-        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    _check_seq_length(seq_length)
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     sizes = list(sizes)
@@ -682,12 +686,11 @@ def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
 
 class LLMCValWindows(TokenWindows):
     """llm.c's validation batches: the stream [eot] + every document of `path_prefix` (a prefix or glob: its sorted
-    prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes; llm.c's val
-    shard is this stream (its first token is the EOT that starts each document there)."""
+    prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes. llm.c's shards
+    put the EOT before each document and ours after it, so this stream is llm.c's val shard (plus our last EOT)."""
 
     def __init__(self, path_prefix, seq_length, num_tokens, eot=EOT):
-        if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
-            raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+        _check_seq_length(seq_length)
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         prefixes = resolve_blend(path_prefix)[0]
@@ -708,8 +711,7 @@ def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, ma
     None when the split has a zero ratio; a ValueError when it holds less than one window."""
     if split_index not in (0, 1, 2):
         raise ValueError(f"split_index must be 0 (train), 1 (valid) or 2 (test), got {split_index!r}")
-    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
-        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
+    _check_seq_length(seq_length)
     if max_samples is not None and max_samples < 0:
         raise ValueError(f"max_samples must be None or >= 0, got {max_samples!r}")
     prefixes, _ = resolve_blend(paths)
