@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
@@ -42,8 +43,9 @@ def synthetic_dataset(prefix, vocab_size, num_tokens, seed=0):
     builder.finalize(prefix + ".idx")
 
 
-def bare_loop(args, device, steps):
-    """Median seconds per optimizer step of forward/backward/clip/step on one fixed batch."""
+def bare_loop(args, device, steps, plain_head=False):
+    """Median seconds per optimizer step of forward/backward/clip/step on one fixed batch. plain_head: the loss from
+    the full logits (model(x), then fp32 cross-entropy), the head nanoGPT and our earlier model used."""
     config = GPTConfig(block_size=args.seq_length, vocab_size=args.vocab_size, padded_vocab_size=args.padded_vocab_size,
                        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     torch.manual_seed(args.seed)
@@ -63,7 +65,11 @@ def bare_loop(args, device, steps):
         t0 = time.perf_counter()
         for _ in range(args.grad_accum):
             with autocast:
-                _, loss = model(x, y)
+                if plain_head:
+                    logits, _ = model(x)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                else:
+                    _, loss = model(x, y)
             (loss / args.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -91,6 +97,32 @@ def full_loop(args, device, steps, workdir):
     return statistics.median(np.diff(stamps)[args.warmup:])
 
 
+def compare_loss_heads(args, device):
+    """tok/s, MFU (llm.c's FLOP count) and peak memory of the bare loop with each loss head, alternating."""
+    tokens = args.batch_size * args.grad_accum * args.seq_length
+    config = GPTConfig(block_size=args.seq_length, vocab_size=args.vocab_size, n_layer=args.n_layer,
+                       n_head=args.n_head, n_embd=args.n_embd, padded_vocab_size=args.padded_vocab_size)
+    with torch.device("meta"):
+        flops_per_token = GPT(config).flops_per_token(args.seq_length)
+    peak = train_gpt2.peak_flops(device)
+    results = {"chunked": [], "plain": []}
+    memory = {}
+    for _ in range(args.rounds):
+        for name in results:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            results[name].append(bare_loop(args, device, args.steps, plain_head=name == "plain"))
+            if device.type == "cuda":
+                memory[name] = torch.cuda.max_memory_allocated(device) / 2**30
+    seconds = {name: statistics.median(runs) for name, runs in results.items()}
+    for name in results:
+        mfu = f", MFU {100 * tokens / seconds[name] * flops_per_token / peak:.1f}%" if peak else ""
+        mem = f", peak memory {memory[name]:.1f} GiB" if name in memory else ""
+        print(f"{name + ' loss head':>18}: {tokens / seconds[name]:12,.0f} tok/s{mfu}{mem}")
+    print(f"chunked / plain: {seconds['plain'] / seconds['chunked']:.2f}x tok/s"
+          + (f", {memory['chunked'] / memory['plain']:.2f}x peak memory" if memory else ""))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-layer", type=int, default=4)
@@ -108,12 +140,16 @@ def main():
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block (both loops)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--loss-heads", action="store_true",
+                        help="instead: the bare loop with the chunked loss head against the plain full-logits head")
     args = parser.parse_args()
     if args.steps - 1 <= args.warmup:
         parser.error("--steps must exceed --warmup + 1")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     device = torch.device(args.device)
+    if args.loss_heads:
+        return compare_loss_heads(args, device)
 
     memory = {}
     bare_runs, full_runs = [bare_loop(args, device, args.steps)], []
