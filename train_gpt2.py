@@ -738,7 +738,7 @@ def setup(cfg, rank, world_size, device):
     if train_data is not None or (val_data is not None and not cfg.val_data_paths):
         checked.append(cfg.data_paths)
     check_token_range([p for paths in checked for p in resolve_blend(paths)[0]], model_config.vocab_size,
-                      cache_dir=cfg.index_mapping_dir)
+                      cache_dir=cfg.index_mapping_dir or os.path.join(cfg.out_dir, "index_cache"))
     if master:
         print(memory_plan(model_config, cfg, world_size, device))
     model = build_model(model_config, source, cfg, device)
