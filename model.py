@@ -13,6 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import huggingface_hub
@@ -232,7 +233,7 @@ def resolve_pretrained(name_or_path):
 @torch.no_grad()
 def load_hf_sharded(model, name_or_path):
     """Fill `model`, a GPT whose config matches the checkpoint's (padding aside), from a Hugging Face GPT-2 directory
-    or hub id, checking every key and shape first. A plain model is filled whole. For a model sharded with FSDP2
+    or hub id, every key and shape checked first. A plain model is filled whole. For a model sharded with FSDP2
     (every rank calls this) each rank reads from the safetensors files only the rows its shards hold, so no rank
     ever holds the full model: returns "sharded". A pytorch_model.bin is a pickle, which cannot be read in slices:
     rank 0 reads it whole and sends one tensor at a time to every rank: returns "full"."""
@@ -240,15 +241,14 @@ def load_hf_sharded(model, name_or_path):
     _check_fits(model.config, config, os.path.join(directory, "config.json"))
     params = dict(model.named_parameters())  # the tied lm_head.weight is listed once, as transformer.wte.weight
     sharded = any(isinstance(p, DTensor) for p in params.values())
+    device = next(iter(params.values())).device
     where, paths = _weight_files(directory)
-    from_rank0 = sharded and paths[0].endswith(".bin")
-    shapes, sources = _open_weights(paths, from_rank0)
+    pickled = paths[0].endswith(".bin")
+    shapes, sources = _open_weights(paths, from_rank0=sharded and pickled)
     keys = _match_layout(where, config, shapes)
 
-    device = next(iter(params.values())).device
-
     def read(key, index):  # the block `index` (a tuple of slices) of file tensor `key`
-        if not from_rank0:
+        if not (sharded and pickled):
             return _read_slice(sources[key], key, index)
         full = (sources[key].float() if dist.get_rank() == 0 else torch.empty(shapes[key])).to(device)
         dist.broadcast(full, src=0)
@@ -257,18 +257,18 @@ def load_hf_sharded(model, name_or_path):
     for name, p in params.items():
         local, index = _local_block(p)
         name = "transformer.wte.weight" if name == "lm_head.weight" else name  # an untied copy of the same weight
-        local.copy_(_read_param(read, keys[name], name, index, config.vocab_size))
-    if "lm_head.weight" in shapes:  # tied in the file as well? each rank compares its rows, then all agree
-        _, (rows, columns) = _local_block(model.transformer.wte.weight)
+        _fill_param(local, read, keys[name], name, index, config.vocab_size)
+    if "lm_head.weight" in keys:  # tied in the file as well? each rank compares its rows, then all ranks agree
+        rows, columns = _local_block(model.transformer.wte.weight)[1]
         rows = (_real_rows(rows, config.vocab_size), columns)
-        differs = torch.tensor([not torch.equal(read("lm_head.weight", rows), read(keys["transformer.wte.weight"], rows))],
-                               device=device)
+        same = torch.equal(read("lm_head.weight", rows), read(keys["transformer.wte.weight"], rows))
+        differs = torch.tensor([0 if same else 1], device=device)
         if sharded:
             dist.all_reduce(differs)
         if differs.item():
-            raise ValueError(_mismatch(where, config, ["lm_head.weight differs from wte.weight (untied output "
-                                                       "embeddings are not supported)"]))
-    return "full" if from_rank0 else "sharded"
+            untied = "lm_head.weight differs from wte.weight (untied output embeddings are not supported)"
+            raise ValueError(_mismatch(where, config, [untied]))
+    return "full" if pickled else "sharded"
 
 
 @torch.no_grad()
@@ -349,11 +349,9 @@ def _write_hf(directory, cfg, state_dict, max_shard_size, who, writer=True):
     if writer:
         os.makedirs(directory, exist_ok=True)
     for filename, names in split.filename_to_tensors.items():
-        tensors = {name: file_tensor(name) for name in names}
+        tensors = {name: file_tensor(name) for name in names}  # gathered by every rank, kept by the writer
         if writer:
-            atomic_save(os.path.join(directory, filename),
-                        lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        del tensors
+            atomic_save(os.path.join(directory, filename), partial(save_file, tensors, metadata={"format": "pt"}))
     if not writer:
         return
     written = set(split.filename_to_tensors)
@@ -559,15 +557,17 @@ def _local_block(param):
     return param.to_local(), tuple(slice(start, start + n) for start, n in zip(offset, shape))
 
 
-def _read_param(read, key, name, index, vocab_size):
-    """Block `index` of our parameter `name` from file tensor `key`: our rows of a Conv1D weight are the file's
-    columns, and wte's rows past vocab_size are padding: zeros."""
+def _fill_param(local, read, key, name, index, vocab_size):
+    """Fill `local`, block `index` of our parameter `name`, from file tensor `key`: our rows of a Conv1D weight are
+    the file's columns, and wte's rows past vocab_size are padding: zeros."""
     if name.endswith(CONV1D_WEIGHTS):
-        return read(key, index[::-1]).t()
-    if name == "transformer.wte.weight":
+        local.copy_(read(key, index[::-1]).t())
+    elif name == "transformer.wte.weight":
         real = read(key, (_real_rows(index[0], vocab_size), *index[1:]))
-        return F.pad(real, (0, 0, 0, index[0].stop - index[0].start - real.size(0)))
-    return read(key, index)
+        local[:real.size(0)].copy_(real)
+        local[real.size(0):].zero_()
+    else:
+        local.copy_(read(key, index))
 
 
 def _real_rows(rows, vocab_size):
