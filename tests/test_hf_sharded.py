@@ -53,55 +53,60 @@ def write_edge_fixture(edge):
 
 
 def torchrun(nproc, *args):
-    """Run the worker on `nproc` gloo ranks; the `RESULT` lines rank 0 printed, as dicts."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(nproc), WORKER, ROOT, *map(str, args)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [json.loads(line.removeprefix("RESULT ")) for line in result.stdout.splitlines()
-            if line.startswith("RESULT ")]
+    """Start the worker on `nproc` gloo ranks."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(nproc), WORKER, ROOT, *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def results(launch):
+    """The `RESULT` lines rank 0 printed, as dicts."""
+    stdout, stderr = launch.communicate(timeout=300)
+    assert launch.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return [json.loads(line.removeprefix("RESULT ")) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.fixture(scope="module")
-def fixtures(tmp_path_factory):
-    """A GPT-2 of ~20M parameters (vocab 50257, 6 layers, n_embd 256, an odd context of 127), and the edge model."""
+def launches(tmp_path_factory):
+    """A GPT-2 of ~20M parameters (vocab 50257, 6 layers, n_embd 256, an odd context of 127) and the edge model,
+    then every launch at once (each memory figure is one process's own peak, whatever runs beside it)."""
     root = tmp_path_factory.mktemp("hf_sharded")
     hf = write_fixture(root / "hf", n_layer=6, n_head=4, n_embd=256, vocab_size=50257, n_positions=127)
     write_edge_fixture(root / "edge")
-    return root, hf
+    (root / "out").mkdir()
+    started = dict(checks=torchrun(2, "checks", root / "hf", root / "edge", root / "out"),
+                   init=torchrun(1, "init", root / "hf", root / "edge"),
+                   sharded=torchrun(2, "memory", "sharded", root / "hf"),
+                   rank0=torchrun(2, "memory", "rank0", root / "hf"))
+    try:
+        return root, hf, {name: results(launch) for name, launch in started.items()}
+    finally:
+        for launch in started.values():
+            launch.kill()
 
 
-@pytest.fixture(scope="module")
-def two_ranks(fixtures):
-    root, hf = fixtures
-    out = root / "out"
-    out.mkdir()
-    return torchrun(2, "checks", root / "hf", root / "edge", out), out
-
-
-def test_sharded_load_equals_the_full_load_and_transformers(fixtures, two_ranks):
-    results, out = two_ranks
-    loads = [r for r in results if r.get("check") == "load"]
+def test_sharded_load_equals_the_full_load_and_transformers(launches):
+    root, hf, found = launches
+    loads = [r for r in found["checks"] if r.get("check") == "load"]
     assert [(r["vocab"], r["how"], r["equal"]) for r in loads] == [(50257, "sharded", True), (30, "sharded", True)]
-    ours = torch.load(out / "logits.pt")
+    ours = torch.load(root / "out" / "logits.pt")
     with torch.no_grad():
-        expected = fixtures[1](ours["tokens"]).logits
+        expected = hf(ours["tokens"]).logits
     assert (ours["logits"] - expected).abs().max().item() < 1e-5
 
 
-def test_pytorch_model_bin_is_read_on_rank_0_and_sent(two_ranks):
-    assert {"check": "load-bin", "how": "full", "equal": True} in two_ranks[0]
+def test_pytorch_model_bin_is_read_on_rank_0_and_sent(launches):
+    assert {"check": "load-bin", "how": "full", "equal": True} in launches[2]["checks"]
 
 
-def test_init_on_two_ranks_is_init_weights_after_manual_seed(two_ranks):
-    inits = [r for r in two_ranks[0] if r.get("check") == "init"]
+def test_init_on_two_ranks_is_init_weights_after_manual_seed(launches):
+    inits = [r for r in launches[2]["checks"] if r.get("check") == "init"]
     assert inits == [dict(check="init", vocab=50257, ranks=2, equal=True), dict(check="init", vocab=30, ranks=2,
                                                                                 equal=True)]
 
 
-def test_init_on_one_rank_is_the_same(fixtures):
-    root, _ = fixtures
-    results = torchrun(1, "init", root / "hf", root / "edge")
-    assert results == [dict(check="init", vocab=50257, ranks=1, equal=True), dict(check="init", vocab=30, ranks=1,
+def test_init_on_one_rank_is_the_same(launches):
+    assert launches[2]["init"] == [dict(check="init", vocab=50257, ranks=1, equal=True), dict(check="init", vocab=30, ranks=1,
                                                                                   equal=True)]
 
 
@@ -122,9 +127,10 @@ def test_init_sharded_on_a_plain_model_leaves_the_global_rng_alone():
     assert all(torch.equal(model.state_dict()[k], reference[k]) for k in reference)
 
 
-def test_export_loads_in_transformers_single_and_sharded(fixtures, two_ranks):
-    (root, hf), (results, out) = fixtures, two_ranks
-    assert {"check": "export-read-back", "how": "sharded", "equal": True} in results
+def test_export_loads_in_transformers_single_and_sharded(launches):
+    root, hf, found = launches
+    out = root / "out"
+    assert {"check": "export-read-back", "how": "sharded", "equal": True} in found["checks"]
     assert sorted(os.listdir(out / "single")) == ["config.json", "model.safetensors"]
     shards = sorted(f for f in os.listdir(out / "shards") if f.endswith(".safetensors"))
     assert len(shards) >= 3 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -146,17 +152,16 @@ def test_export_loads_in_transformers_single_and_sharded(fixtures, two_ranks):
         assert (GPT.from_pretrained(str(out / "shards")).eval()(tokens)[0] - expected).abs().max().item() < 1e-5
 
 
-def test_errors_reach_every_rank_alike(two_ranks):
-    errors = {r["case"]: r["messages"] for r in two_ranks[0] if r.get("check") == "error"}
+def test_errors_reach_every_rank_alike(launches):
+    errors = {r["case"]: r["messages"] for r in launches[2]["checks"] if r.get("check") == "error"}
     for case, expected in (("untied", "lm_head.weight differs from wte.weight"),
                            ("bin-broken", "pytorch_model.bin: not a readable weights file")):
         assert len(set(errors[case])) == 1 and expected in errors[case][0] and case in errors[case][0], errors
 
 
-def test_sharded_load_peak_memory_is_well_under_rank0s(fixtures):
+def test_sharded_load_peak_memory_is_well_under_rank0s(launches):
     """Per-rank peak resident memory of the load (above the materialised shards), each way in a fresh launch."""
-    root, _ = fixtures
-    (sharded,), (rank0,) = torchrun(2, "memory", "sharded", root / "hf"), torchrun(2, "memory", "rank0", root / "hf")
+    (sharded,), (rank0,) = launches[2]["sharded"], launches[2]["rank0"]
     ratio = max(sharded["peak_mb"]) / max(rank0["peak_mb"])
     print(f"peak MB per rank: sharded {sharded['peak_mb']}, rank 0 + broadcast {rank0['peak_mb']}; ratio {ratio:.2f}")
     assert ratio < 0.7
