@@ -8,9 +8,11 @@ EDGE holds a tiny model whose shards are uneven, empty or all padding, as safete
 untied/ (lm_head differs from wte) and bin-broken/. Rank 0 prints one line `RESULT <json>` per finding."""
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,7 @@ def measure(mode, hf_dir):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # restart the peak (VmHWM) from the resident size now
     baseline = memory_mb("VmRSS")
+    start = time.perf_counter()
     if mode == "sharded":
         load_hf_sharded(model, hf_dir)
     else:
@@ -80,7 +83,9 @@ def measure(mode, hf_dir):
             if dist.get_rank() == 0 else None
         set_model_state_dict(model, source.state_dict() if source is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    report(mode=mode, peak_mb=gather(memory_mb("VmHWM") - baseline), baseline_mb=gather(baseline))
+    seconds = time.perf_counter() - start
+    report(mode=mode, peak_mb=gather(memory_mb("VmHWM") - baseline), baseline_mb=gather(baseline),
+           seconds=max(gather(seconds)))
 
 
 def check_init(directories):
@@ -156,6 +161,10 @@ def main():
         check_load(hf_dir, edge, out)
         check_init([hf_dir, os.path.join(edge, "safetensors")])
         check_errors(edge)
+    # FSDP modules sit in reference cycles that keep the process group alive past destroy_process_group; gloo then
+    # aborts a rank tearing it down at exit while its peer is leaving ("terminate called"): free them, leave together
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
