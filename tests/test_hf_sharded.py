@@ -99,15 +99,16 @@ def test_pytorch_model_bin_is_read_on_rank_0_and_sent(launches):
     assert {"check": "load-bin", "how": "full", "equal": True} in launches[2]["checks"]
 
 
+def init_results(ranks):
+    return [dict(check="init", vocab=vocab, ranks=ranks, equal=True) for vocab in (50257, 30)]
+
+
 def test_init_on_two_ranks_is_init_weights_after_manual_seed(launches):
-    inits = [r for r in launches[2]["checks"] if r.get("check") == "init"]
-    assert inits == [dict(check="init", vocab=50257, ranks=2, equal=True), dict(check="init", vocab=30, ranks=2,
-                                                                                equal=True)]
+    assert [r for r in launches[2]["checks"] if r.get("check") == "init"] == init_results(2)
 
 
 def test_init_on_one_rank_is_the_same(launches):
-    assert launches[2]["init"] == [dict(check="init", vocab=50257, ranks=1, equal=True), dict(check="init", vocab=30, ranks=1,
-                                                                                  equal=True)]
+    assert launches[2]["init"] == init_results(1)
 
 
 def test_init_sharded_on_a_plain_model_leaves_the_global_rng_alone():
