@@ -50,6 +50,7 @@ def atomic_save(path, save):
     tmp = temporary_path(path)
     try:
         save(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create 0600 files; publish as open() would
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -57,3 +58,9 @@ def atomic_save(path, save):
         if os.path.exists(tmp):
             os.remove(tmp)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -17,6 +17,7 @@ and exit cleanly.
 import ast
 import dataclasses
 import difflib
+import gc
 import json
 import math
 import os
@@ -35,7 +36,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict)
 
 import hellaswag
 from atomic_io import atomic_write, fsync_dir
@@ -45,7 +45,7 @@ from distributed import barrier, broadcast_object, setup_distributed
 from dataset_tools import check_token_range
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
                              sequential_samples, token_weighted_blend)
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, export_hf, init_sharded, load_hf_sharded, resolve_pretrained
 from run_dir import HF_MARKER, RunLock, check_out_dir, move_old_logs, os_error_message
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
@@ -207,12 +207,10 @@ def check_config(cfg):
 # -----------------------------------------------------------------------------
 # model
 
-def starting_point(cfg, resume_path, rank):
-    """(GPTConfig, source, checkpoint): the architecture, and where the first weights come from: `source`, on rank 0
-    a CPU fp32 GPT holding them (GPT-2 init from cfg.seed, or Hugging Face weights; None on other ranks), or the
-    checkpoint to load them from (resuming, or init_from a train_gpt2 run). Building the full model in one place
-    makes the init identical on any number of ranks. cfg.padded_vocab_size applies to Hugging Face weights; a
-    train_gpt2 checkpoint keeps its own."""
+def starting_point(cfg, resume_path, master):
+    """(GPTConfig, init): the architecture, and where the first weights come from: ("checkpoint", path) to resume
+    or to start from a train_gpt2 run, ("hf", directory) for Hugging Face weights, ("seed", seed) for GPT-2's init.
+    cfg.padded_vocab_size applies to Hugging Face weights; a train_gpt2 checkpoint keeps its own."""
     if resume_path is not None:
         model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
         if cfg.init_from is None:
@@ -223,38 +221,25 @@ def starting_point(cfg, resume_path, rank):
             if differ:
                 raise ValueError(f"{resume_path}: the checkpoint to resume from has {', '.join(differ)}; use the "
                                  f"checkpoint's architecture or another out_dir")
-        return model_config, None, resume_path
+        return model_config, ("checkpoint", resume_path)
     if cfg.init_from is not None and is_run_or_checkpoint(cfg.init_from):
         ckpt_path = resolve_checkpoint(cfg.init_from)
-        return GPTConfig(**read_train_state(ckpt_path)["model_config"]), None, ckpt_path
+        return GPTConfig(**read_train_state(ckpt_path)["model_config"]), ("checkpoint", ckpt_path)
     if cfg.init_from is None:
-        model_config = GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size,
-                                 padded_vocab_size=cfg.padded_vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                                 n_embd=cfg.n_embd)
-        if rank != 0:
-            return model_config, None, None
-        with torch.device("meta"):
-            model = GPT(model_config)
-        model.to_empty(device="cpu")
-        torch.manual_seed(cfg.seed)
-        model.init_weights()  # GPT-2 init drawn from this seed alone: padded vocabulary rows change no number
-        return model_config, model, None
-    source = GPT.from_pretrained(cfg.init_from, padded_vocab_size=cfg.padded_vocab_size) if rank == 0 else None
-    return broadcast_object(source.config if rank == 0 else None), source, None
+        return GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
+                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd), ("seed", cfg.seed)
+    if master:  # a hub id is downloaded once, by rank 0; the other ranks then find it in the cache
+        resolve_pretrained(cfg.init_from)
+    barrier()
+    directory, hf_config = resolve_pretrained(cfg.init_from)
+    return dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size), ("hf", directory)
 
 
-def build_model(model_config, source, cfg, device):
-    """The model to train on `device`. With a process group: built on the meta device, each block compiled and
-    sharded with FSDP2, then only this rank's shard is materialised and, when rank 0 has a `source`, filled from it
-    (else a checkpoint fills it next). Without one: `source`, or a fresh GPT for a checkpoint, moved to `device`."""
-    if not dist.is_initialized():
-        model = (source if source is not None else GPT(model_config)).to(device)
-        model.activation_checkpointing = cfg.activation_checkpointing
-        if cfg.compile:
-            for block in model.transformer.h:
-                block.compile()
-        return model
-
+def build_model(model_config, init, cfg, device, log):
+    """The model to train on `device`, built on the meta device so that no rank ever holds more than its share:
+    with a process group each block is compiled and sharded with FSDP2, and only this rank's shard is materialised.
+    Then each rank fills its own rows: GPT-2's init drawn from the seed (the same weights on any number of ranks),
+    or the rows it holds read from the Hugging Face files. A checkpoint fills the model later (load_checkpoint)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         model = GPT(model_config)
@@ -264,12 +249,19 @@ def build_model(model_config, source, cfg, device):
     for block in model.transformer.h:
         if cfg.compile:
             block.compile()  # before sharding: no graph breaks at FSDP's hooks and state-dict names stay the same
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(model, mp_policy=mp_policy)
+        if dist.is_initialized():
+            fully_shard(block, mp_policy=mp_policy)
+    if dist.is_initialized():
+        fully_shard(model, mp_policy=mp_policy)
     model.to_empty(device=device)
-    if broadcast_object(source is not None):  # rank 0 holds the weights
-        set_model_state_dict(model, source.state_dict() if source is not None else {},
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if not dist.is_initialized():  # to_empty() gave a plain model two embedding tensors: tie them again
+        model.lm_head.weight = model.transformer.wte.weight
+    kind, source = init
+    if kind == "seed":
+        init_sharded(model, source)
+    elif kind == "hf" and load_hf_sharded(model, source) == "full":
+        log(f"{source}: pytorch_model.bin is a pickle, which cannot be read in slices: rank 0 loaded it and sent "
+            f"each tensor to every rank")
     return model
 
 
@@ -682,17 +674,16 @@ class StepLog:
                 consumed_samples=(step + 1) * cfg.global_batch_size)
 
 
-def export_hf(model, cfg, master):
+def publish_hf(model, cfg, master):
     """The final weights for transformers (and everything else that reads Hugging Face GPT-2 directories), written to
     a temporary directory and renamed to out_dir/hf. An hf/ there is replaced only when it carries HF_MARKER (or is
     an export of the code before markers: config.json and model.safetensors alone); anything else is moved aside."""
     assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
     t0 = time.perf_counter()
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     hf_dir = os.path.join(cfg.out_dir, "hf")
+    tmp = os.path.join(cfg.out_dir, f".hf.{broadcast_object(os.getpid())}.tmp")  # rank 0's name on every rank
+    export_hf(model, tmp)  # one tensor at a time gathered to rank 0, which writes
     if master:
-        tmp = os.path.join(cfg.out_dir, f".hf.{os.getpid()}.tmp")
-        model.save_pretrained(tmp, state_dict=full_state)
         with atomic_write(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:
             json.dump(dict(written_by="train_gpt2.py", step=cfg.max_steps), f)
         old = None
@@ -726,7 +717,7 @@ def setup(cfg, rank, world_size, device):
     if master:
         print(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation {grad_accum_steps}; "
               + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
-    model_config, source, weights_checkpoint = starting_point(cfg, resume_path, rank)
+    model_config, init = starting_point(cfg, resume_path, master)
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's context "
                          f"({model_config.block_size} positions)")
@@ -741,10 +732,9 @@ def setup(cfg, rank, world_size, device):
                       cache_dir=cfg.index_mapping_dir or os.path.join(cfg.out_dir, "index_cache"))
     if master:
         print(memory_plan(model_config, cfg, world_size, device))
-    model = build_model(model_config, source, cfg, device)
-    del source
-    if weights_checkpoint is not None and resume_path is None:
-        load_weights(weights_checkpoint, model)
+    model = build_model(model_config, init, cfg, device, log)
+    if init[0] == "checkpoint" and resume_path is None:  # init_from another run: its weights, a fresh optimizer
+        load_weights(init[1], model)
     optimizer = build_optimizer(model, cfg, device)
     # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
     autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
@@ -820,7 +810,7 @@ def train(cfg, rank, world_size, device):
                 return 128 + (StopRequest.received or signal.SIGTERM)
     finally:
         stop.restore()
-    export_hf(model, cfg, ctx.master)
+    publish_hf(model, cfg, ctx.master)
     return 0
 
 
@@ -835,6 +825,9 @@ def main(argv=None):
     finally:
         RunLock.release_all()
         if dist.is_initialized():
+            # free what still refers to the process group (compiled graphs, FSDP state) before destroying it:
+            # gloo otherwise aborts now and then at exit ("terminate called without an active exception")
+            gc.collect()
             dist.destroy_process_group()
 
 

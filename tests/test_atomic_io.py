@@ -31,3 +31,16 @@ def test_atomic_save_by_name(tmp_path):
     with pytest.raises(OSError):
         atomic_save(path, lambda tmp: (_ for _ in ()).throw(OSError("disk full")))
     assert path.read_bytes() == b"xyz" and os.listdir(tmp_path) == ["b.bin"]
+
+
+def test_atomic_save_publishes_with_the_default_permissions(tmp_path):
+    path = tmp_path / "c.bin"
+
+    def private_writer(tmp):
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(b"x")
+
+    atomic_save(path, private_writer)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
