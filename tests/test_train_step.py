@@ -73,3 +73,26 @@ def test_compile_gives_the_eager_losses_on_two_ranks_with_fsdp2(data, tmp_path):
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
     assert_losses_close(tmp_path / "eager", tmp_path / "compiled")
+
+
+def test_activation_checkpointing_trains_the_same_run(data, tmp_path):
+    train_gpt2.main(tiny(data, tmp_path / "plain", max_steps=4, ckpt_every_steps=0))
+    train_gpt2.main(tiny(data, tmp_path / "recomputed", max_steps=4, ckpt_every_steps=0, activation_checkpointing=True))
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        a, b = metrics(tmp_path / "plain", key), metrics(tmp_path / "recomputed", key)
+        assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) <= 1e-6
+
+
+def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(monkeypatch):
+    from model import GPTConfig
+
+    cfg = train_gpt2.load_config(["--n_layer=12", "--n_head=12", "--n_embd=768", "--local_batch_size=64"])
+    model_config = GPTConfig(n_layer=12, n_head=12, n_embd=768, padded_vocab_size=50304)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
+    plan = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
+    n = 124_475_904  # GPT-2 124M with the vocabulary padded to 50304: 4 bytes each, sharded over 8 ranks
+    assert f"parameters {4 * n / 8 / 2**30:.2f} GiB" in plan and f"optimizer {8 * n / 8 / 2**30:.2f} GiB" in plan
+    assert "WARNING" not in plan
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
+    plan = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
+    assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
