@@ -109,18 +109,17 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
     needs = {data_dir: fetch, output_dir: max(SAMPLE_TOKENS[sample] * OUTPUT_BYTES_PER_TOKEN - written, 0)}
     print(f"{repo_id} sample/{sample}: {fetch / 1e9:,.1f} GB of parquet to download into {data_dir}, about "
           f"{needs[output_dir] / 1e9:,.1f} GB of outputs to write in {output_dir}")
-    existing = {}  # the nearest folder that exists, where a new one will be made
-    for directory in needs:
-        existing[directory] = os.path.abspath(directory)
-        while not os.path.isdir(existing[directory]):
-            existing[directory] = os.path.dirname(existing[directory])
-    device = {directory: os.stat(path).st_dev for directory, path in existing.items()}
-    for directory, path in existing.items():  # directories on one filesystem add up
-        need = sum(needs[other] for other in needs if device[other] == device[directory])
-        free = shutil.disk_usage(path).free
-        if need > free:
-            raise OSError(f"{directory}: needs about {need / 1e9:,.1f} GB (download and outputs on its filesystem) "
-                          f"but only {free / 1e9:,.1f} GB is free there; make room, choose another "
+    need, free = collections.Counter(), {}  # by filesystem: directories on one add up
+    for directory, size in needs.items():
+        path = os.path.abspath(directory)
+        while not os.path.isdir(path):  # the nearest folder that exists, where a new one will be made
+            path = os.path.dirname(path)
+        need[os.stat(path).st_dev] += size
+        free.setdefault(os.stat(path).st_dev, (directory, shutil.disk_usage(path).free))
+    for device, (directory, space) in free.items():
+        if need[device] > space:
+            raise OSError(f"{directory}: needs about {need[device] / 1e9:,.1f} GB (download and outputs on its "
+                          f"filesystem) but only {space / 1e9:,.1f} GB is free there; make room, choose another "
                           f"--data-dir/--output-dir, or pass --skip-space-check")
 
 
@@ -150,8 +149,7 @@ def open_parquet(path, text_key):
         raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}); choose one with "
                          f"--text-key")
     kind = schema.field(text_key).type
-    if not any(test(kind) for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
-                                       pa.types.is_large_binary)):
+    if kind not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
         parquet.close()
         raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text")
     return parquet
@@ -159,9 +157,7 @@ def open_parquet(path, text_key):
 
 def as_bytes(column):
     """Texts as bytes: they reach the tokenizer undecoded, so invalid UTF-8 is replaced (and counted) there."""
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        column = column.cast(pa.large_binary())
-    return column.to_pylist()
+    return column.cast(pa.large_binary()).to_pylist()
 
 
 def read_tasks(path, text_key, chunk_bytes):
@@ -316,11 +312,8 @@ def encode_task(task):
 
 def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar):
     """Yield (index, tokens) for every document of the inputs numbered `todo`, in order, and (index, None) at the end
-    of each; counts[index] gathers its skipped and replaced texts, `bar` shows the progress.
-
-    Pool.imap would keep the order too, but it reads all its tasks ahead: a 100 GB input would be 100 GB of RAM. Here
-    at most two tasks per worker are in flight.
-    """
+    of each; counts[index] gathers its skipped and replaced texts. Pool.imap would keep the order too, but it reads all
+    its tasks ahead (a 100 GB input in RAM): here at most two tasks per worker are in flight."""
     def tasks():  # (index, position reached, task or None at the end of the input), and a final None
         for index in todo:
             for kind, payload, first_line, position in read_tasks(inputs[index], text_key, chunk_bytes):
@@ -405,9 +398,9 @@ def is_finished(prefix, entry):
     if entry.get("output", prefix) is None:  # no output: every document of the input went to val
         return entry.get("documents") == 0
     try:
-        dataset = IndexedDataset(prefix)  # checks the header and that the .bin holds every indexed token
+        dataset = IndexedDataset(prefix)  # checks the index, and that the .bin holds exactly its tokens
         return (dataset.dtype == np.uint16 and dataset.num_documents == len(dataset) == entry["documents"]
-                and dataset.num_tokens == entry["tokens"] and os.path.getsize(prefix + ".bin") == 2 * entry["tokens"])
+                and dataset.num_tokens == entry["tokens"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -515,32 +508,28 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             if index not in files:
                 finish(index, file_documents(stream))
     summary = save(finished=True)
-    made = {f"processed_data_{index}" for index, entry in files.items() if entry["output"]} | ({"val"} if val else set())
+    made = {f"processed_data_{index}" for index, entry in files.items() if entry["output"]}
+    made |= {"val"} if val else set()
     for name in sorted(os.listdir(output_dir)):
         match = OUTPUT_FILE.fullmatch(name)
         if match and match[1] not in made:
             os.remove(os.path.join(output_dir, name))
             print(f"{os.path.join(output_dir, name)}: made from an input that is no longer given, removed")
     kept = sum(entry["kept"] for entry in summary["files"])
-    print(f"{len(summary['files'])} outputs in {output_dir} ({kept} kept from an earlier run)"
-          f"{', and val_text_document' if val else ''}: {summary['documents']:,} documents, "
-          f"{summary['tokens']:,} tokens, {summary['input_bytes'] / 1e6:,.1f} MB in, "
-          f"{summary['output_bytes'] / 1e6:,.1f} MB out, {summary['seconds']:,.1f} s "
-          f"({summary['tokens_per_second'] / 1e6:,.2f}M tokens/s); {summary['empty_skipped']:,} empty or null texts "
-          f"skipped, {summary['invalid_utf8']:,} with invalid UTF-8 replaced; {os.path.join(output_dir, SUMMARY_NAME)}")
+    print(f"{output_dir}: {len(made)} outputs ({kept} kept from an earlier run), {summary['documents']:,} documents, "
+          f"{summary['tokens']:,} tokens, {summary['seconds']:,.1f} s ({summary['tokens_per_second'] / 1e6:,.2f}M "
+          f"tokens/s); {summary['empty_skipped']:,} empty or null texts skipped, {summary['invalid_utf8']:,} with "
+          f"invalid UTF-8 replaced")
     return summary
 
 
 def main(argv=None):
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu",
-                        help="which Hugging Face dataset to download")
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu", help="the dataset to download")
     parser.add_argument("--sample", choices=sorted(SAMPLE_TOKENS), default="10BT", help="which sample/<N> to download")
-    parser.add_argument("--data-dir", default="fineweb_edu",
-                        help="hub cache directory for the download (an existing cache is reused)")
-    parser.add_argument("--input", metavar="GLOB",
-                        help="local .parquet, .jsonl, .jsonl.gz or .txt files to tokenize instead of the download")
+    parser.add_argument("--data-dir", default="fineweb_edu", help="hub cache directory for the download (reused)")
+    parser.add_argument("--input", metavar="GLOB", help="local .parquet, .jsonl(.gz) or .txt files, not the download")
     parser.add_argument("--output-dir", help="where the .bin/.idx files go (default: {data_dir}/megatron_gpt2)")
     parser.add_argument("--text-key", default="text", help="parquet column or JSON field holding the text")
     parser.add_argument("--val-tokens", type=int, help=f"tokens of whole documents for val_text_document (default: "
