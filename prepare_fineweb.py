@@ -225,11 +225,6 @@ def parquet_tasks(path, text_key, chunk_bytes):
 # tokenizing, in the worker processes
 
 
-def init_worker():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it terminates the pool
-    gpt2_encoding()
-
-
 @functools.lru_cache(maxsize=1)
 def parquet_file(path):
     return pq.ParquetFile(path, pre_buffer=False)  # a worker keeps the file it is reading open
@@ -491,7 +486,8 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
         save(finished=False)
         tqdm.write(f"{prefix or inputs[index]}: {written['documents']:,} documents, {written['tokens']:,} tokens")
 
-    with multiprocessing.Pool(workers, initializer=init_worker) as pool, tqdm(
+    # the workers ignore Ctrl-C: it is the parent's to handle, by terminating the pool
+    with multiprocessing.Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool, tqdm(
             total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
             desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
         stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
