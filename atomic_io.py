@@ -31,26 +31,25 @@ def temporary_path(path):
 @contextlib.contextmanager
 def atomic_write(path, mode="wb", **open_kwargs):
     """`with atomic_write(path) as f: f.write(...)`: `path` appears, complete, only when the block succeeds."""
-    tmp = temporary_path(path)
-    try:
-        with open(tmp, mode, **open_kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    with _publishing(path) as tmp, open(tmp, mode, **open_kwargs) as f:
+        yield f
 
 
 def atomic_save(path, save):
     """`save(tmp_path)` writes a file the caller cannot hand a file object to (safetensors, matplotlib with a name);
     the result is published as `path` like atomic_write's."""
-    tmp = temporary_path(path)
-    try:
+    with _publishing(path) as tmp:
         save(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # some writers (safetensors) create 0600 files; publish as open() would
+
+
+@contextlib.contextmanager
+def _publishing(path):
+    """A temporary name to write; once the block is done (and the file closed): fsync, rename over `path`, fsync the
+    directory. On an error the temporary is removed and `path` is left as it was."""
+    tmp = temporary_path(path)
+    try:
+        yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -678,6 +678,8 @@ def publish_hf(model, cfg, master):
     """The final weights for transformers (and everything else that reads Hugging Face GPT-2 directories), written to
     a temporary directory and renamed to out_dir/hf. An hf/ there is replaced only when it carries HF_MARKER (or is
     an export of the code before markers: config.json and model.safetensors alone); anything else is moved aside."""
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
+        model.reshard()
     assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
     t0 = time.perf_counter()
     hf_dir = os.path.join(cfg.out_dir, "hf")
