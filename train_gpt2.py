@@ -6,7 +6,8 @@ Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU proce
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train_gpt2.py CONFIG.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --compile=False   # --key=value overrides the config
 
-Config: the defaults in TrainConfig below, then the config file (top-level assignments), then --key=value arguments.
+Config: the defaults in TrainConfig below, then the config file (top-level assignments), then --key=value arguments
+(configurator.py).
 Under torchrun the model is sharded with FSDP2 (NCCL on GPUs, gloo on CPU); one process trains a plain model.
 Everything goes into out_dir: train_config.json, main.log (llm.c's log format, so llm.c's vislog can lay the curves over
 its own), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/ (torch.distributed.checkpoint) and, at the end, hf/
@@ -14,9 +15,7 @@ its own), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/ (torch.distributed.c
 ranks; out_dir must be on a filesystem every node sees. SIGTERM/SIGINT write a checkpoint at the next step boundary
 and exit cleanly.
 """
-import ast
 import dataclasses
-import difflib
 import gc
 import json
 import math
@@ -28,9 +27,7 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import types
-import typing
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +38,9 @@ import hellaswag
 from atomic_io import atomic_write, fsync_dir
 from checkpoint import (assert_finite, complete_checkpoints, is_run_or_checkpoint, load_checkpoint, load_weights,
                         newest_usable_checkpoint, read_train_state, resolve_checkpoint, save_checkpoint)
-from distributed import barrier, broadcast_object, setup_distributed
+from configurator import parse_config
 from dataset_tools import check_token_range
+from distributed import barrier, broadcast_object, setup_distributed
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
                              sequential_samples, token_weighted_blend)
 from model import GPT, GPTConfig, export_hf, init_sharded, load_hf_sharded, resolve_pretrained
@@ -111,66 +109,8 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 # config
 
 def load_config(argv):
-    """TrainConfig from argv: optional config files (Python, top-level assignments) and --key=value overrides, in
-    order. Values are parsed with ast.literal_eval, falling back to the plain string. Unknown keys and wrong types
-    raise ValueError naming the key (and the closest valid one)."""
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    values = {}
-
-    def checked(key, value, where):
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"{where}: unknown config key '{key}'{hint}")
-        allowed = typing.get_args(fields[key].type) or (fields[key].type,)
-        if float in allowed and type(value) is int:
-            value = float(value)
-        if not any(type(value) is t or (t not in (int, bool) and isinstance(value, t)) for t in allowed):
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
-        return value
-
-    def exec_config(path):
-        """The namespace of config file `path` run as Python; its errors become one ValueError naming file:line."""
-        namespace = {}
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        try:
-            exec(compile(text, path, "exec"), namespace)
-        except SyntaxError as e:
-            raise ValueError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
-        except SystemExit as e:  # a config must not end the run, least of all with exit status 0
-            raise ValueError(f"{path}: the config file called sys.exit({e.code!r}); a config only assigns values") \
-                from None
-        except Exception as e:
-            line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
-                         if frame.filename == path), "?")
-            raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
-        return namespace
-
-    for arg in argv:
-        if arg.startswith("--"):
-            if "=" not in arg:
-                raise ValueError(f"{arg}: write overrides as --key=value")
-            key, text = arg[2:].split("=", 1)
-            try:
-                value = ast.literal_eval(text)
-            except (ValueError, SyntaxError):
-                value = text
-            try:
-                values[key] = checked(key, value, f"command line {arg}")
-            except ValueError:
-                if key not in fields or str not in typing.get_args(fields[key].type) + (fields[key].type,):
-                    raise
-                values[key] = text  # --split=969,30,1 means the string, not a tuple
-        else:
-            if not os.path.isfile(arg):
-                raise FileNotFoundError(f"{arg}: config file not found")
-            namespace = exec_config(arg)
-            for key, value in namespace.items():
-                if not key.startswith("_") and not isinstance(value, types.ModuleType):
-                    values[key] = checked(key, value, arg)
-    cfg = TrainConfig(**values)
+    """TrainConfig from argv (config files, then --key=value overrides; see configurator.py), range-checked."""
+    cfg = parse_config(TrainConfig, argv)
     check_config(cfg)
     return cfg
 
