@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from atomic_io import atomic_save
 from checkpoint import load_model
 from tokenizer import VOCAB_SIZE, gpt2_encoding
 
@@ -85,8 +86,8 @@ def download(url, path):
     and the two ways round it; FileNotFoundError because what the caller lacks is that file.
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp_path = f"{path}.{os.getpid()}.tmp"  # per process: ranks downloading at once never share a file
-    try:
+
+    def fetch_and_check(tmp_path):  # a temporary name per process: ranks downloading at once never share a file
         try:
             fetch(url, tmp_path)
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
@@ -96,10 +97,8 @@ def download(url, path):
                 f"of hellaswag_val.jsonl (hellaswag.py --data PATH, or its path as train_gpt2's hellaswag=) or copy "
                 f"it to {path}") from None
         read_jsonl(tmp_path)  # a corrupt download must fail here, not poison the cache
-        os.replace(tmp_path, path)
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
+
+    atomic_save(path, fetch_and_check)
 
 
 def load_examples(path=None):

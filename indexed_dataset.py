@@ -36,6 +36,8 @@ from array import array
 
 import numpy as np
 
+from atomic_io import atomic_write
+
 from blending import blending_indices
 from index_cache import CACHE_FORMAT, cache_dirs, cached, distributed, log, source_key
 from token_windows import TokenWindows, Tokens
@@ -271,13 +273,11 @@ class IndexedDatasetBuilder:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         boundaries = np.frombuffer(self.document_indices, dtype=np.int64)
-        partial = f"{idx_path}.partial"
-        with open(partial, "wb") as f:
+        with atomic_write(idx_path) as f:
             f.write(HEADER.pack(INDEX_MAGIC, 1, DTYPE_CODES[self.dtype], len(lengths), len(boundaries)))
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(boundaries.astype("<i8").tobytes())
-        os.replace(partial, idx_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import math
 import os
 import sys
 
+from atomic_io import atomic_save
+
 GPT2_VAL_LOSS_FINEWEB_EDU = 3.2924
 GPT2_VAL_LOSS_FINEWEB = 3.424958
 GPT2_HELLASWAG = 0.2945
@@ -130,15 +132,8 @@ def plot(runs, out_path, loss_max=None, references=()):
     hellaswag_ax.legend(fontsize=8)
 
     # render next to the target and rename, so a crash never leaves a truncated picture under the real name
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(out_dir, exist_ok=True)
-    tmp_path = os.path.join(out_dir, f".{os.path.basename(out_path)}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp_path, format=fmt, dpi=100, bbox_inches="tight")
-        os.replace(tmp_path, out_path)
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    atomic_save(out_path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=100, bbox_inches="tight"))
 
 
 def summary(label, streams):
