@@ -434,3 +434,21 @@ def test_demo_end_to_end(tmp_path):
     assert log["trl"][29] < log["trl"][0] - 3 and log["tel"][30] < log["tel"][0] - 2
     assert len(re.findall(r"sample: ", result.stdout)) == 2  # at step 15 and at the end
     assert set(metrics(out, "sample")) == {15, 30}
+
+
+def test_token_ids_outside_the_vocabulary_stop_before_the_first_step(data, tmp_path):
+    # the byte dataset holds ids up to 511 (its end-of-document token); a 300-token model cannot embed them
+    with pytest.raises(ValueError, match=rf"token id 511 in {re.escape(data)}\.bin is outside the model's vocabulary "
+                                         rf"\(vocab_size 300\)"):
+        train_gpt2.main(tiny(data, tmp_path / "out", vocab_size=300))
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")  # no step ran
+
+
+def test_resume_with_another_global_batch_size_is_refused_naming_both_values(data, tmp_path):
+    out = tmp_path / "out"
+    train_gpt2.main(tiny(data, out, max_steps=4, ckpt_every_steps=2))
+    with pytest.raises(ValueError, match=r"trained with global_batch_size 8, the config now says 16; resume with "
+                                         r"--global_batch_size=8"):
+        train_gpt2.main(tiny(data, out, max_steps=6, global_batch_size=16))
+    train_gpt2.main(tiny(data, out, max_steps=6, local_batch_size=2))  # another local batch size is fine
+    assert sorted(metrics(out, "train_loss")) == list(range(6))
