@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 
 from atomic_io import atomic_write, fsync_dir
 from distributed import any_rank, barrier, broadcast_object, rank_and_world_size
+from hf_weights import from_pretrained
 from model import GPT, GPTConfig
 
 # a checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole
@@ -275,9 +276,9 @@ def load_model(name_or_path):
         # what train_gpt2.py writes: out_dir/ckpt/step_N/ with train_state.json; anything else is read as HF GPT-2
         if is_run_or_checkpoint(name_or_path):
             return model_from_checkpoint(name_or_path)
-        return GPT.from_pretrained(name_or_path)
+        return from_pretrained(name_or_path)
     if os.path.exists(name_or_path):
         raise ValueError(f"{name_or_path}: a file; expected a model directory, a training out_dir or a hub name")
     if name_or_path.startswith((".", "/", "~")) or name_or_path.endswith(os.sep):
         raise FileNotFoundError(f"{name_or_path}: no such model directory")
-    return GPT.from_pretrained(name_or_path)
+    return from_pretrained(name_or_path)

@@ -43,7 +43,8 @@ from dataset_tools import check_token_range
 from distributed import barrier, broadcast_object, setup_distributed
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
                              sequential_samples, token_weighted_blend)
-from model import GPT, GPTConfig, export_hf, init_sharded, load_hf_sharded, resolve_pretrained
+from hf_weights import export_hf, load_hf_sharded, resolve_pretrained
+from model import GPT, GPTConfig, init_sharded
 from run_dir import HF_MARKER, RunLock, check_out_dir, move_old_logs, os_error_message
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE

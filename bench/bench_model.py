@@ -15,6 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hf_weights import from_pretrained  # noqa: E402
 from model import GPT  # noqa: E402
 
 
@@ -64,9 +65,9 @@ def main():
         GPT2LMHeadModel.from_pretrained(export)
         hf_load = time.perf_counter() - start
         start = time.perf_counter()
-        ours = GPT.from_pretrained(export)
+        ours = from_pretrained(export)
         ours_load = time.perf_counter() - start
-        padded = GPT.from_pretrained(export, padded_vocab_size=50304)
+        padded = from_pretrained(export, padded_vocab_size=50304)
     idx = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=args.device)
     labels = idx  # transformers shifts labels itself; our targets would be shifted, which costs the same
 

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, sys.argv[1])
-from model import GPT, export_hf, init_sharded, load_hf_sharded, resolve_pretrained  # noqa: E402
+from hf_weights import export_hf, from_pretrained, load_hf_sharded, resolve_pretrained  # noqa: E402
+from model import GPT, init_sharded  # noqa: E402
 
 SEED = 1234
 
@@ -79,7 +80,7 @@ def measure(mode, hf_dir):
     if mode == "sharded":
         load_hf_sharded(model, hf_dir)
     else:
-        source = GPT.from_pretrained(hf_dir, padded_vocab_size=model.config.padded_vocab_size) \
+        source = from_pretrained(hf_dir, padded_vocab_size=model.config.padded_vocab_size) \
             if dist.get_rank() == 0 else None
         set_model_state_dict(model, source.state_dict() if source is not None else {},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -114,7 +115,7 @@ def check_load(hf_dir, edge, out):
         how = load_hf_sharded(model, directory)
         state = full_state(model)
         if dist.get_rank() == 0:
-            reference = GPT.from_pretrained(directory, padded_vocab_size=config.padded_vocab_size).state_dict()
+            reference = from_pretrained(directory, padded_vocab_size=config.padded_vocab_size).state_dict()
             report(check="load", vocab=config.vocab_size, how=how, equal=state.keys() == reference.keys() and
                    all(torch.equal(state[k], reference[k]) for k in state))
     pickled = sharded_model(config)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 import hellaswag
+from hf_weights import from_pretrained
 from tokenizer import gpt2_encoding
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
@@ -64,10 +65,9 @@ def expected_result(ref_sums, ref_means, examples):
 @pytest.mark.parametrize("n_positions", [128, 24])  # 24: every row is longer, the context is cut from the left
 def test_scores_match_transformers(tmp_path, n_positions):
     from transformers import GPT2LMHeadModel
-    from model import GPT
 
     path = save_tiny_gpt2(str(tmp_path / "hf"), n_positions)
-    ours, ref = GPT.from_pretrained(path), GPT2LMHeadModel.from_pretrained(path).eval()
+    ours, ref = from_pretrained(path), GPT2LMHeadModel.from_pretrained(path).eval()
     examples = hellaswag.load_examples(FIXTURE)
 
     sums, means = hellaswag.ending_losses(ours, hellaswag.render_all(examples), device="cpu")
@@ -89,7 +89,7 @@ def test_batched_equals_one_ending_per_forward(hf_dir, source):
     from model import GPT, GPTConfig
 
     if source == "HF fixture":
-        model = GPT.from_pretrained(hf_dir)
+        model = from_pretrained(hf_dir)
     else:
         torch.manual_seed(1)
         model = GPT(GPTConfig(block_size=48, vocab_size=50257, padded_vocab_size=50304, n_layer=2, n_head=2,
@@ -114,9 +114,8 @@ def test_batched_equals_one_ending_per_forward(hf_dir, source):
 
 def test_rendered_once_then_reused(hf_dir, monkeypatch):
     """render_all's tokens stand in for the examples: evaluate never tokenizes them again."""
-    from model import GPT
 
-    model = GPT.from_pretrained(hf_dir)
+    model = from_pretrained(hf_dir)
     examples = hellaswag.load_examples(FIXTURE)
     expected = hellaswag.evaluate(model, examples, device="cpu", limit=6)
     rendered = hellaswag.render_all(examples)
@@ -131,9 +130,8 @@ def test_rendered_once_then_reused(hf_dir, monkeypatch):
 
 
 def test_autocast_bf16_close_to_fp32(hf_dir):
-    from model import GPT
 
-    model = GPT.from_pretrained(hf_dir)
+    model = from_pretrained(hf_dir)
     rendered = hellaswag.render_all(hellaswag.load_examples(FIXTURE))
     _, means = hellaswag.ending_losses(model, rendered, device="cpu")
     _, means_bf16 = hellaswag.ending_losses(model, rendered, device="cpu", autocast_dtype=torch.bfloat16)
@@ -145,7 +143,7 @@ def test_autocast_bf16_close_to_fp32(hf_dir):
 def test_training_mode_restored_and_small_vocab_refused(hf_dir):
     from model import GPT, GPTConfig
 
-    model = GPT.from_pretrained(hf_dir).train()
+    model = from_pretrained(hf_dir).train()
     hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", limit=2)
     assert model.training
     with pytest.raises(ValueError, match="GPT-2 vocabulary"):
@@ -154,10 +152,9 @@ def test_training_mode_restored_and_small_vocab_refused(hf_dir):
 
 
 def test_two_ranks_give_the_counts_of_one(hf_dir, tmp_path):
-    from model import GPT
 
     # 9 examples, 2 per forward: rank 0 scores 5 (3 forwards), rank 1 scores 4 (2 forwards + 1 to keep FSDP in step)
-    expected = hellaswag.evaluate(GPT.from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=9)
+    expected = hellaswag.evaluate(from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=9)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), hf_dir, str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -173,12 +170,11 @@ def distributed_worker(hf_dir, out_dir):
 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from model import GPT
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     examples = hellaswag.load_examples(FIXTURE)
-    model = GPT.from_pretrained(hf_dir)
+    model = from_pretrained(hf_dir)
     results = {"plain": hellaswag.evaluate(model, examples, device="cpu", rank=rank, world_size=world_size, limit=9,
                                            batch_size=2)}
     for block in model.transformer.h:
@@ -255,9 +251,8 @@ def test_offline_download_says_what_to_do(tmp_path, monkeypatch, hf_dir):
 
 
 def test_cli(hf_dir, capsys):
-    from model import GPT
 
-    expected = hellaswag.evaluate(GPT.from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=7)
+    expected = hellaswag.evaluate(from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=7)
     result = hellaswag.main(["--model", hf_dir, "--data", FIXTURE, "--limit", "7", "--device", "cpu"])
     assert result == expected
     assert f"acc_norm {expected['acc_norm']:.4f} ({expected['correct_norm']}/7)" in capsys.readouterr().out

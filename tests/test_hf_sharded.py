@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT
-from model import GPT, GPTConfig, export_hf, init_sharded, load_hf_sharded
+from hf_weights import export_hf, from_pretrained, load_hf_sharded, save_pretrained
+from model import GPT, GPTConfig, init_sharded
 
 WORKER = os.path.join(ROOT, "tests", "hf_sharded_worker.py")
 
@@ -150,7 +151,7 @@ def test_export_loads_in_transformers_single_and_sharded(launches):
             exported, info = GPT2LMHeadModel.from_pretrained(out / variant, output_loading_info=True)
             assert not any(info.values()), info
             assert (exported.eval()(tokens).logits - expected).abs().max().item() < 1e-5
-        assert (GPT.from_pretrained(str(out / "shards")).eval()(tokens)[0] - expected).abs().max().item() < 1e-5
+        assert (from_pretrained(str(out / "shards")).eval()(tokens)[0] - expected).abs().max().item() < 1e-5
 
 
 def test_errors_reach_every_rank_alike(launches):
@@ -182,14 +183,14 @@ def test_save_pretrained_shards_and_replaces_an_earlier_layout(tmp_path):
     model = GPT(GPTConfig(block_size=16, vocab_size=100, padded_vocab_size=128, n_layer=2, n_head=2, n_embd=32))
     hf = random_hf_model(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16)
     tokens = torch.arange(32).view(2, 16)
-    model.save_pretrained(str(tmp_path / "out"), max_shard_size=20_000)
+    save_pretrained(model, str(tmp_path / "out"), max_shard_size=20_000)
     assert "model.safetensors.index.json" in os.listdir(tmp_path / "out")
-    GPT.from_pretrained(str(tmp_path / "out")).save_pretrained(str(tmp_path / "one"))
+    save_pretrained(from_pretrained(str(tmp_path / "out")), str(tmp_path / "one"))
     hf.save_pretrained(tmp_path / "out")  # transformers' single file over our shards: ours must go
-    GPT.from_pretrained(str(tmp_path / "out")).save_pretrained(str(tmp_path / "out"))
+    save_pretrained(from_pretrained(str(tmp_path / "out")), str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
     with torch.no_grad():
-        assert (GPT.from_pretrained(str(tmp_path / "out"))(tokens)[0] - hf(tokens).logits).abs().max() < 1e-5
+        assert (from_pretrained(str(tmp_path / "out"))(tokens)[0] - hf(tokens).logits).abs().max() < 1e-5
     export_hf(model, str(tmp_path / "exported"))  # without a process group: save_pretrained's bytes
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "exported" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()

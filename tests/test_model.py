@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT
-from model import GPT, GPTConfig, load_pretrained_state_dict
+from hf_weights import from_pretrained, load_pretrained_state_dict, save_pretrained
+from model import GPT, GPTConfig
 
 TOL = 1e-5
 
@@ -87,7 +88,7 @@ def tiny_hf_dir(tmp_path_factory):
 ], ids=["small", "odd-vocab-and-context", "gpt2-vocab"])
 def test_from_pretrained_matches_transformers(tmp_path, shape):
     hf = random_hf_model(**shape)
-    ours = GPT.from_pretrained(str(hf_dir(tmp_path, hf)))
+    ours = from_pretrained(str(hf_dir(tmp_path, hf)))
     assert ours.config.block_size == shape["n_positions"] and ours.config.vocab_size == shape["vocab_size"]
     assert ours.config.layer_norm_eps == shape.get("layer_norm_epsilon", 1e-5)
     assert ours.lm_head.weight is ours.transformer.wte.weight
@@ -111,7 +112,7 @@ def test_hub_style_file_without_prefix_and_with_mask_buffers(tmp_path):
         "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "n_ctx": 20, "n_embd": 32, "n_head": 2, "n_layer": 2, "n_positions": 20, "vocab_size": 100,
         "layer_norm_epsilon": 1e-5}))
-    assert_matches_hf(GPT.from_pretrained(str(path)).eval(), hf)
+    assert_matches_hf(from_pretrained(str(path)).eval(), hf)
 
 
 def test_pytorch_model_bin(tmp_path):
@@ -120,7 +121,7 @@ def test_pytorch_model_bin(tmp_path):
     path.mkdir()
     torch.save(hf.state_dict(), path / "pytorch_model.bin")  # with lm_head.weight, as old checkpoints have it
     hf.config.to_json_file(path / "config.json")
-    assert_matches_hf(GPT.from_pretrained(str(path)).eval(), hf)
+    assert_matches_hf(from_pretrained(str(path)).eval(), hf)
 
 
 def test_sharded_safetensors(tmp_path):
@@ -128,7 +129,7 @@ def test_sharded_safetensors(tmp_path):
     path = tmp_path / "sharded"
     hf.save_pretrained(path, max_shard_size="20KB")
     assert (path / "model.safetensors.index.json").exists() and not (path / "model.safetensors").exists()
-    assert_matches_hf(GPT.from_pretrained(str(path)).eval(), hf)
+    assert_matches_hf(from_pretrained(str(path)).eval(), hf)
 
 
 def test_load_pretrained_state_dict_is_unpadded_fp32_with_our_names(tiny_hf_dir):
@@ -148,12 +149,12 @@ def test_load_pretrained_state_dict_is_unpadded_fp32_with_our_names(tiny_hf_dir)
 def test_padded_vocab_gives_identical_logits_on_real_ids(tmp_path):
     hf = random_hf_model(n_layer=1, n_head=2, n_embd=16, vocab_size=50257, n_positions=16)
     path = hf_dir(tmp_path, hf)
-    padded = GPT.from_pretrained(str(path), padded_vocab_size=50304).eval()
+    padded = from_pretrained(str(path), padded_vocab_size=50304).eval()
     assert padded.transformer.wte.weight.shape == (50304, 16)
     assert padded.lm_head.weight is padded.transformer.wte.weight
     assert_matches_hf(padded, hf)
     idx, labels = batch(50257, 16)
-    plain = GPT.from_pretrained(str(path))
+    plain = from_pretrained(str(path))
     assert torch.equal(plain(idx)[0], padded(idx)[0]) and torch.equal(plain(idx, labels)[1], padded(idx, labels)[1])
 
 
@@ -186,7 +187,7 @@ def test_config_rejects_bad_shapes():
                          ids=["plain", "padded", "no-bias"])
 def test_save_pretrained_loads_in_transformers_and_is_byte_stable(tmp_path, variant):
     ours = randomize(GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32, **variant))).eval()
-    ours.save_pretrained(str(tmp_path / "a"))
+    save_pretrained(ours, str(tmp_path / "a"))
     assert sorted(os.listdir(tmp_path / "a")) == ["config.json", "model.safetensors"]
     hf, info = GPT2LMHeadModel.from_pretrained(tmp_path / "a", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -198,7 +199,7 @@ def test_save_pretrained_loads_in_transformers_and_is_byte_stable(tmp_path, vari
     assert tensors["transformer.wte.weight"].shape == (100, 32)
     assert tensors["transformer.h.0.mlp.c_fc.weight"].shape == (32, 128)
 
-    GPT.from_pretrained(str(tmp_path / "a")).save_pretrained(str(tmp_path / "b"))
+    save_pretrained(from_pretrained(str(tmp_path / "a")), str(tmp_path / "b"))
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
@@ -207,14 +208,14 @@ def test_save_pretrained_takes_a_gathered_state_dict(tmp_path):
     """The trainer passes the full state dict it gathered from FSDP; the model's own weights are not used."""
     cfg = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32, padded_vocab_size=128)
     trained = randomize(GPT(cfg)).eval()
-    GPT(cfg).save_pretrained(str(tmp_path / "out"), state_dict=trained.state_dict())
+    save_pretrained(GPT(cfg), str(tmp_path / "out"), state_dict=trained.state_dict())
     assert_matches_hf(trained, GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval())
     with pytest.raises(ValueError, match=r"bad\): .*unexpected tensor _orig_mod\.transformer\.wpe\.weight"):
-        GPT(cfg).save_pretrained(str(tmp_path / "bad"),
+        save_pretrained(GPT(cfg), str(tmp_path / "bad"),
                                  state_dict={"_orig_mod." + k: v for k, v in trained.state_dict().items()})
     wider = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=64)).state_dict()
     with pytest.raises(ValueError, match=r"transformer\.wpe\.weight has shape \(32, 64\) .*expected \(32, 32\)"):
-        GPT(cfg).save_pretrained(str(tmp_path / "bad"), state_dict=wider)
+        save_pretrained(GPT(cfg), str(tmp_path / "bad"), state_dict=wider)
     assert not (tmp_path / "bad").exists()
 
 
@@ -236,7 +237,7 @@ def test_hub_id_from_offline_cache(tmp_path, tiny_hf_dir):
     path, hf = tiny_hf_dir
     fake_hub_repo(tmp_path / "cache", "someorg/tiny-gpt2",
                   {name: path / name for name in ("config.json", "model.safetensors")})
-    script = ("import sys, torch; from model import GPT; m = GPT.from_pretrained('someorg/tiny-gpt2'); "
+    script = ("import sys, torch; from hf_weights import from_pretrained; m = from_pretrained('someorg/tiny-gpt2'); "
               "torch.save(m(torch.arange(24).view(2, 12))[0], sys.argv[1])")
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "logits.pt")], cwd=ROOT, env=env, check=True,
@@ -277,10 +278,10 @@ def test_hub_downloads_safetensors_or_else_pytorch_model_bin(tmp_path, monkeypat
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert_matches_hf(GPT.from_pretrained("someorg/old-gpt2").eval(), hf)
+    assert_matches_hf(from_pretrained("someorg/old-gpt2").eval(), hf)
     assert sorted(downloaded) == ["config.json", "pytorch_model.bin"]
     downloaded.clear()
-    assert_matches_hf(GPT.from_pretrained("someorg/both-gpt2").eval(), tiny_hf_dir[1])
+    assert_matches_hf(from_pretrained("someorg/both-gpt2").eval(), tiny_hf_dir[1])
     assert sorted(downloaded) == ["config.json", "model.safetensors"]
 
 
@@ -289,7 +290,7 @@ def test_unknown_hub_id_offline(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(FileNotFoundError, match="someorg/missing-gpt2: no such local directory, and not available"):
-        GPT.from_pretrained("someorg/missing-gpt2")
+        from_pretrained("someorg/missing-gpt2")
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -342,7 +343,7 @@ def broken_copy(tmp_path, source, edit_config=None, edit_tensors=None, drop=()):
 def test_bad_model_directory_gives_one_clear_error(tmp_path, tiny_hf_dir, case, error, message):
     path = broken_copy(tmp_path, tiny_hf_dir[0], **case)
     with pytest.raises(error, match=message) as excinfo:
-        GPT.from_pretrained(str(path))
+        from_pretrained(str(path))
     assert str(path) in str(excinfo.value)
 
 
@@ -350,20 +351,20 @@ def test_unreadable_files_are_named(tmp_path, tiny_hf_dir):
     path = broken_copy(tmp_path, tiny_hf_dir[0])
     (path / "model.safetensors").write_bytes(b"\x00" * 100)
     with pytest.raises(ValueError, match=r"broken/model\.safetensors: not a readable weights file"):
-        GPT.from_pretrained(str(path))
+        from_pretrained(str(path))
     (path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"broken/config\.json: not valid JSON"):
-        GPT.from_pretrained(str(path))
+        from_pretrained(str(path))
     with pytest.raises(ValueError, match=r"config\.json: a file; expected a model directory"):
-        GPT.from_pretrained(str(path / "config.json"))
+        from_pretrained(str(path / "config.json"))
     (path / "config.json").write_text("[]")
     with pytest.raises(ValueError, match=r"broken/config\.json: not a config \(a JSON list"):
-        GPT.from_pretrained(str(path))
+        from_pretrained(str(path))
     (path / "config.json").write_bytes((tiny_hf_dir[0] / "config.json").read_bytes())
     (path / "model.safetensors").unlink()
     (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(ValueError, match=r"broken/model\.safetensors\.index\.json: not a safetensors index"):
-        GPT.from_pretrained(str(path))
+        from_pretrained(str(path))
 
 
 # ----------------------------------------------------------------------------- init
@@ -407,7 +408,7 @@ def test_init_is_deterministic_and_works_after_meta_device():
 # ----------------------------------------------------------------------------- forward, generate, accounting
 
 def test_loss_is_fp32_under_bf16(tiny_hf_dir):
-    model = GPT.from_pretrained(str(tiny_hf_dir[0])).eval()
+    model = from_pretrained(str(tiny_hf_dir[0])).eval()
     idx, labels = batch(100, 64)
     with torch.no_grad():
         _, fp32_loss = model(idx, labels)
@@ -422,14 +423,14 @@ def test_loss_is_fp32_under_bf16(tiny_hf_dir):
 
 
 def test_forward_rejects_sequences_longer_than_block_size(tiny_hf_dir):
-    model = GPT.from_pretrained(str(tiny_hf_dir[0]))
+    model = from_pretrained(str(tiny_hf_dir[0]))
     with pytest.raises(ValueError, match="length 65 is longer than the model's block_size 64"):
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
 def test_greedy_generation_matches_transformers(tiny_hf_dir):
     path, hf = tiny_hf_dir
-    model = GPT.from_pretrained(str(path)).eval()
+    model = from_pretrained(str(path)).eval()
     prompt = torch.tensor([[5, 17, 42, 8], [1, 2, 3, 4]])
     expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
                            pad_token_id=0)
