@@ -164,11 +164,20 @@ def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, cap
     message = run_main_as_script(monkeypatch, tiny(data, tmp_path / "out", index_mapping_dir=str(a_file / "cache"),
                                                    max_steps=1))
     assert message.startswith(f"train_gpt2.py: error: {a_file / 'cache'}") and "Not a directory" in message
-    if os.geteuid() != 0:  # root writes anywhere
-        read_only = tmp_path / "read_only"
-        read_only.mkdir(mode=0o555)
-        message = run_main_as_script(monkeypatch, tiny(data, read_only, max_steps=1))
-        assert "Permission denied; choose a directory you can write to" in message
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes anywhere: make the directory refuse new entries as the kernel would
+        real_makedirs = os.makedirs
+
+        def makedirs(path, *args, **kwargs):
+            if str(path).startswith(str(read_only)):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real_makedirs(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "makedirs", makedirs)
+    message = run_main_as_script(monkeypatch, tiny(data, read_only, max_steps=1))
+    assert "Permission denied; choose a directory you can write to" in message
+    monkeypatch.undo()
 
     with open(tmp_path / "main.log", "w") as f:
         f.write("s:0 tel:6.0\ns:0 trl:6.1 lr:0.001 norm:1.0\ns:1 trl:5.0 lr:0.001 norm:1.0\n")
