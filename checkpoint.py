@@ -132,14 +132,20 @@ def newest_usable_checkpoint(ckpt_root):
 def assert_finite(model, what, ckpt_root):
     """Raise FloatingPointError on every rank when any rank's parameters hold NaN or inf, so that no checkpoint or
     export ever holds them. Collective: every rank calls it (each checks its own shard)."""
-    bad = [name for name, p in model.named_parameters()
-           if not bool(torch.isfinite((p.to_local() if hasattr(p, "to_local") else p).detach()).all())]
+    params = dict(model.named_parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
+    finite = torch.stack([torch.isfinite(t.detach()).all() for t in local]).tolist()  # one device sync, not one each
+    bad = [name for name, ok in zip(params, finite) if not ok]
     if any_rank(bad):
-        kept = complete_checkpoints(ckpt_root)
-        raise FloatingPointError(
-            f"{what}: parameters hold NaN or inf ("
-            + (", ".join(bad[:3]) if bad else "on another rank") + "); nothing was written. The last good "
-            "checkpoint is " + (kept[-1] if kept else "none (none was written)"))
+        raise FloatingPointError(f"{what}: parameters hold NaN or inf ("
+                                 + (", ".join(bad[:3]) if bad else "on another rank")
+                                 + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
+
+
+def last_good_checkpoint(ckpt_root):
+    """The sentence every stop for non-finite numbers ends with: where the run can be taken up again."""
+    kept = complete_checkpoints(ckpt_root)
+    return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
 
 
 def fsync_tree(path):

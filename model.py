@@ -260,8 +260,8 @@ def init_sharded(model, seed):
     """The weights of `torch.manual_seed(seed); model.init_weights()` on a full model on the CPU, bit for bit, for a
     plain or FSDP2-sharded GPT on any device and any number of ranks, never the full model: init_weights itself runs,
     on a stand-in whose parameters are full CPU tensors handed out one at a time (two exist for a moment, the one
-    drawn and the one before), and each rank keeps its own rows of each. Every rank draws every number (the generator cannot skip ahead): that costs
-    time, not memory. torch's global RNG state is left as it was."""
+    drawn and the one before), and each rank keeps its own rows of each. Every rank draws every number (the
+    generator cannot skip ahead): that costs time, not memory. torch's global RNG state is left as it was."""
     if not isinstance(model.transformer.wte.weight, DTensor):
         model.lm_head.weight = model.transformer.wte.weight  # as init_weights ties a model that to_empty() untied
     with torch.random.fork_rng(devices=[]):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import hellaswag
 from atomic_io import atomic_write, fsync_dir
-from checkpoint import (assert_finite, complete_checkpoints, is_run_or_checkpoint, load_checkpoint, load_weights,
+from checkpoint import (assert_finite, is_run_or_checkpoint, last_good_checkpoint, load_checkpoint, load_weights,
                         newest_usable_checkpoint, read_train_state, resolve_checkpoint, save_checkpoint)
 from configurator import parse_config
 from dataset_tools import check_token_range
@@ -120,8 +120,8 @@ def check_config(cfg):
     """Values that are out of range raise ValueError naming the key."""
     at_least = dict(seq_length=1, n_layer=1, n_head=1, n_embd=1, vocab_size=1, global_batch_size=1, local_batch_size=1,
                     max_steps=1, lr=0.0, min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0, adam_eps=0.0, grad_clip=0.0,
-                    val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0, ckpt_keep=1, log_every_steps=1,
-                    dist_timeout_s=1)
+                    val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0, ckpt_keep=1,
+                    log_every_steps=1, dist_timeout_s=1)
     for key, low in at_least.items():
         if getattr(cfg, key) is not None and getattr(cfg, key) < low:
             raise ValueError(f"config: {key} must be >= {low}, got {getattr(cfg, key)}")
@@ -549,7 +549,7 @@ class StepLog:
 
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
-        self.pending = []  # (step, lr, host stats, event, start, end, peak GiB, memory label)
+        self.pending = []  # (step, lr, host stats, start, end, peak GiB): start/end are CUDA events or host times
         self.stop_flag = torch.zeros((), device=ctx.device)
         self.run_peak_gib = 0.0
         self.cuda = ctx.device.type == "cuda"
@@ -575,9 +575,9 @@ class StepLog:
         host = torch.empty(3, pin_memory=self.cuda)
         host.copy_(stats, non_blocking=True)
         end = self.clock()
-        peak_gib, label = step_peak_memory(self.ctx.device)
+        peak_gib, self.memory_label = step_peak_memory(self.ctx.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
-        self.pending.append((step, lr, host, end if self.cuda else None, self.start, end, peak_gib, label))
+        self.pending.append((step, lr, host, self.start, end, peak_gib))
 
     def due(self, step):
         return (step + 1) % self.cfg.log_every_steps == 0
@@ -587,28 +587,27 @@ class StepLog:
         any rank was asked to stop. A non-finite loss or grad norm raises: the loop never checkpoints after it."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_last else (self.pending, [])
         stop_requested = False
-        for step, lr, host, event, start, end, peak_gib, label in ready:
-            if event is not None:
-                event.synchronize()
+        for step, lr, host, start, end, peak_gib in ready:
+            if self.cuda:
+                end.synchronize()  # this step's device work, the copy of its numbers included, is done
             train_loss, norm, stop_count = (host / torch.tensor([self.ctx.world_size, self.ctx.world_size, 1])).tolist()
             stop_requested |= stop_count > 0
             if not (math.isfinite(train_loss) and math.isfinite(norm)):
-                kept = complete_checkpoints(self.ctx.ckpt_root)
                 raise FloatingPointError(
                     f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped without saving "
-                    f"this state. The last good checkpoint is " + (kept[-1] if kept else "none (none was written)"))
-            self.log_step(step, lr, train_loss, norm, start.elapsed_time(end) / 1000 if event else end - start,
-                          peak_gib, label)
+                    f"this state. {last_good_checkpoint(self.ctx.ckpt_root)}")
+            self.log_step(step, lr, train_loss, norm, start.elapsed_time(end) / 1000 if self.cuda else end - start,
+                          peak_gib)
         return stop_requested
 
-    def log_step(self, step, lr, train_loss, norm, dt, peak_gib, label):
+    def log_step(self, step, lr, train_loss, norm, dt, peak_gib):
         cfg, ctx = self.cfg, self.ctx
         tokens_per_s = ctx.tokens_per_step / dt
         mfu = tokens_per_s * ctx.flops_per_token / (ctx.peak_flops * ctx.world_size) if ctx.peak_flops else None
         ctx.log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
                 f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
                 + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
-                + f" | {label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
+                + f" | {self.memory_label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
                 f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
                 step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000, tokens_per_s=tokens_per_s,
                 mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
