@@ -29,10 +29,13 @@ def token_range(dataset, cache_dir=None):
     """(smallest, largest) token id of a dataset (an IndexedDataset or a prefix), or (None, None) if it has no
     tokens. Computed in one chunked pass over the .bin and kept in `<prefix>.stats.json`; where the dataset's
     directory is read-only, in `cache_dir` (when given), else computed every time."""
-    ds = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
-    key = {name: [os.stat(ds.path_prefix + suffix).st_size, os.stat(ds.path_prefix + suffix).st_mtime_ns]
-           for name, suffix in (("bin", ".bin"), ("idx", ".idx"))}
-    path = _stats_path(ds.path_prefix, cache_dir)
+    prefix = dataset.path_prefix if isinstance(dataset, IndexedDataset) else dataset
+    try:
+        key = {name: [os.stat(prefix + suffix).st_size, os.stat(prefix + suffix).st_mtime_ns]
+               for name, suffix in (("bin", ".bin"), ("idx", ".idx"))}
+    except OSError:  # missing files: opening the dataset names them
+        key = None
+    path = _stats_path(prefix, cache_dir)
     try:
         with open(path) as f:
             stats = json.load(f)
@@ -40,8 +43,10 @@ def token_range(dataset, cache_dir=None):
             return stats["min"], stats["max"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, unreadable or stale: compute it
+    # only a cache miss opens the dataset (and checks its index): a warm start reads two stat()s and a small file
+    ds = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(prefix)
     low, high = _scan_range(ds)
-    if path is not None:
+    if path is not None and key is not None:
         try:
             with atomic_write(path, "w") as f:
                 json.dump({"key": key, "min": low, "max": high}, f)
