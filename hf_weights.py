@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from atomic_io import atomic_save, atomic_write
+from distributed import broadcast_object
 from model import GPT, GPTConfig, local_block
 
 # Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
@@ -301,11 +302,10 @@ def _open_weights(paths, from_rank0=False):
                 shapes, sources = _open_weights(paths)
             except ValueError as e:
                 error = str(e)
-        message = [shapes, error]
-        dist.broadcast_object_list(message, src=0)
-        if message[1]:
-            raise ValueError(message[1])
-        return message[0], sources
+        shapes, error = broadcast_object((shapes, error))
+        if error:
+            raise ValueError(error)
+        return shapes, sources
     shapes, sources = {}, {}
     for path in paths:
         try:
