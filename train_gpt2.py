@@ -40,7 +40,7 @@ from checkpoint import (assert_finite, is_run_or_checkpoint, last_good_checkpoin
                         newest_usable_checkpoint, read_train_state, resolve_checkpoint, save_checkpoint)
 from configurator import parse_config
 from dataset_tools import check_token_range
-from distributed import barrier, broadcast_object, setup_distributed
+from distributed import barrier, broadcast_object, rank_and_world_size, setup_distributed
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
                              sequential_samples, token_weighted_blend)
 from hf_weights import export_hf, load_hf_sharded, resolve_pretrained
@@ -296,7 +296,7 @@ def validation_loss(model, val_data, batch_size, device, autocast):
     """Mean cross-entropy per token over every window of `val_data`, all ranks together: rank r scores windows
     r, r + W, ...; token-weighted loss sums are all-reduced. Every rank runs the same number of forwards, since a
     sharded model gathers its weights collectively in each one."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world_size = rank_and_world_size()
     mine = list(range(rank, len(val_data), world_size))
     num_batches = math.ceil(math.ceil(len(val_data) / world_size) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
