@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from atomic_io import atomic_save
-from checkpoint import load_model
+from model import load_model
 from tokenizer import VOCAB_SIZE, gpt2_encoding
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"

@@ -18,29 +18,34 @@ How megatron-core samples one split of one prefix (GPTDataset):
     3. The shuffled token stream is cut into samples of seq_length + 1 tokens that share one token with the next
        sample (sample index), so tokens and labels (tokens shifted by one) both have seq_length tokens.
     4. The samples are shuffled (shuffle index), the short last epoch again on its own.
-A blend of prefixes draws from each in proportion to its weight (BlendedDataset, indices in blending.py).
+A blend of prefixes draws from each in proportion to its weight (BlendedDataset).
 
 Samples are dicts of int64 arrays {"tokens", "labels"}, equal to megatron-core's. Megatron also returns position ids
 and a loss mask; with its defaults (no EOD masking or position/attention resets, the last partial sample dropped),
 which is how this module always samples, those are arange(seq_length) and all ones, so they are left out.
-Inspecting and checking files, and token ranges: dataset_tools.py.
+Command line, to inspect and check files:
+
+    python indexed_dataset.py info   'data/processed_data_*_text_document'    # documents, sequences, tokens, dtype
+    python indexed_dataset.py verify 'data/processed_data_*_text_document' --vocab-size 50257   # read every token
+    python indexed_dataset.py verify-cache data/processed_data_0_text_document/cache/GPTDataset_indices
 """
+import argparse
 import glob
+import hashlib
+import json
 import math
 import os
 import re
 import shutil
 import struct
+import sys
 import time
 from array import array
 
 import numpy as np
+from tqdm import tqdm
 
 from atomic_io import atomic_write
-
-from blending import blending_indices
-from index_cache import CACHE_FORMAT, cache_dirs, cached, distributed, log, source_key
-from token_windows import TokenWindows, Tokens
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
@@ -465,6 +470,220 @@ def _sample_index(sizes, seq_length, num_samples, extra, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Blending indices
+
+
+# blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
+# handles at most SIDE_BY_SIDE_CELLS datasets x chunks, which keeps its arrays in the CPU cache
+CHUNK, WARM_UP, SIDE_BY_SIDE_CELLS = 512, 64, 1 << 17
+
+
+def blending_indices(weights, size=None):
+    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64).
+
+    With `size`: `size` draws where step s takes the dataset d maximising weights[d] * max(s, 1) - draws[d] (the
+    first on ties), in float64 exactly as megatron's C++ does. Without: `weights` are integer sample counts, which
+    are drawn exactly (a dataset drops out once used up), with weights = counts / sum(counts).
+
+    The greedy is sequential and 10M Python steps are too slow, so it runs in chunks of steps side by side, one numpy
+    operation advancing every chunk by a step. Each chunk starts from a guess of the draws before its first step:
+    weights * step rounded by largest remainder, WARM_UP steps earlier, then the greedy run up to the chunk (it
+    forgets where it started within a few dozen steps). A chunk whose start differs from where the chunk before it
+    really ended is run again from there, until none differs, so the result is exact whatever the guesses.
+    """
+    if size is None:
+        quotas = np.asarray(weights, dtype=np.int64)
+        size = int(quotas.sum())
+        weights = quotas / float(size)
+    else:
+        quotas = None
+        weights = np.asarray(weights, dtype=np.float64)
+    num_chunks = -(-size // CHUNK)
+    first_steps = np.arange(num_chunks, dtype=np.int64) * CHUNK
+    start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
+    guess_steps = first_steps[1:] - WARM_UP
+    guess = _largest_remainder(weights * (guess_steps - 1)[:, None], guess_steps)
+    if quotas is not None:
+        np.minimum(guess, quotas, out=guess)
+    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, WARM_UP)
+
+    dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
+    dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
+    end_draws = np.empty_like(start_draws)
+    todo = np.arange(num_chunks)
+    while todo.size:
+        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], CHUNK,
+                                  (dataset_index, dataset_sample_index, todo))
+        todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
+        start_draws[todo] = end_draws[todo - 1]
+    return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
+
+
+def _largest_remainder(ideal, totals):
+    """Integer rows near `ideal` that add up to `totals`: floors, plus one for the largest fractional parts."""
+    counts = np.floor(ideal).astype(np.int64)
+    missing = totals - counts.sum(axis=1)
+    rank = np.argsort(np.argsort(counts - ideal, axis=1, kind="stable"), axis=1, kind="stable")
+    return counts + (rank < missing[:, None])
+
+
+def _greedy(weights, quotas, first_steps, draws, steps, record=None):
+    """The draws after running the blending greedy for `steps` steps from each row of `draws` (the draws before
+    step `first_steps[row]`). With record = (dataset_index, dataset_sample_index, rows), step t of row i is written to
+    column t of row rows[i] of both."""
+    num_datasets = len(weights)
+    weight_column = weights[:, None]
+    quota_column = None if quotas is None else quotas[:, None]
+    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
+    end_draws = np.empty_like(draws)
+    per_group = max(1, SIDE_BY_SIDE_CELLS // num_datasets)  # keeps each operation's arrays in the CPU cache
+    for group_start in range(0, len(draws), per_group):
+        group = slice(group_start, group_start + per_group)
+        chunks = len(draws[group])
+        counts = np.ascontiguousarray(draws[group].T, dtype=np.float64)  # (datasets, chunks): reduce along rows
+        flat_counts = counts.reshape(-1)
+        columns = np.arange(chunks)
+        if record is not None:
+            rows = record[2][group]
+            in_place = rows[-1] - rows[0] + 1 == chunks  # consecutive rows: write straight into the output
+            picks = record[0][rows[0]:rows[-1] + 1] if in_place else np.empty((chunks, steps), np.int16)
+            samples = record[1][rows[0]:rows[-1] + 1] if in_place else np.empty((chunks, steps), np.int64)
+        step = np.empty(chunks)
+        error = np.empty((num_datasets, chunks))
+        largest = np.empty(chunks)
+        is_largest = np.empty((num_datasets, chunks), dtype=bool)
+        ranked = np.empty((num_datasets, chunks), dtype=np.int16)
+        for t in range(steps):
+            np.add(first_steps[group], t, out=step)
+            np.maximum(step, 1.0, out=step)
+            np.multiply(weight_column, step, out=error)
+            np.subtract(error, counts, out=error)
+            if quota_column is not None:
+                np.putmask(error, counts >= quota_column, -np.inf)
+            if num_datasets == 2:
+                pick = (error[1] > error[0]).astype(np.int64)
+            else:  # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+                np.max(error, axis=0, out=largest)
+                np.equal(error, largest, out=is_largest)
+                np.multiply(is_largest, first_on_ties, out=ranked)
+                pick = num_datasets - ranked.max(axis=0).astype(np.int64)
+            where = pick * chunks + columns
+            if record is not None:
+                picks[:, t] = pick
+                samples[:, t] = flat_counts[where]
+            flat_counts[where] += 1
+        if record is not None and not in_place:
+            record[0][rows], record[1][rows] = picks, samples
+        end_draws[group] = counts.T
+    return end_draws
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The index cache
+
+
+CACHE_FORMAT = 2  # bump when the cached arrays or their key change meaning (2: keyed by the .idx's size and mtime)
+
+
+def cached(cache_dir, name, key, build, write):
+    """The arrays `build()` returns, kept in `cache_dir` as `{hash}-{name}-{array}.npy` under a hash of `key`.
+
+    `key` holds every parameter and each source .idx's path, size and mtime, so new data or settings miss. The
+    description `{hash}-{name}.json`, written last, records the key and each array's dtype, shape and sha256. A load
+    checks the key, the dtypes and shapes and the file sizes (cheap); a cache failing any is rebuilt. Reading every
+    byte would cost more than the load itself, so the checksums are checked only by `indexed_dataset.py verify-cache`.
+    """
+    if cache_dir is None:
+        return build()
+    base = os.path.join(cache_dir, f"{cache_digest(key)}-{name}")
+    if os.path.exists(base + ".json"):
+        try:
+            return _load_cached(base, key)
+        except Exception as error:  # whatever is wrong with it, a rebuild is the cure
+            log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
+    arrays = build()
+    if write:
+        os.makedirs(cache_dir, exist_ok=True)
+        description = {"key": key, "arrays": {}}
+        for array_name, values in arrays.items():
+            with atomic_write(f"{base}-{array_name}.npy") as f:
+                np.save(f, values)
+            description["arrays"][array_name] = {"dtype": values.dtype.str, "shape": list(values.shape),
+                                                 "sha256": hashlib.sha256(np.ascontiguousarray(values)).hexdigest()}
+        with atomic_write(base + ".json", "w") as f:
+            json.dump(description, f, indent=1)
+    return arrays
+
+
+def cache_digest(key):
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _load_cached(base, key):
+    with open(base + ".json") as f:
+        description = json.load(f)
+    if description["key"] != key:
+        raise ValueError("its key differs")
+    arrays = {}
+    for array_name, expected in description["arrays"].items():
+        path = f"{base}-{array_name}.npy"
+        values = np.load(path, mmap_mode="r")
+        if values.dtype.str != expected["dtype"] or list(values.shape) != expected["shape"]:
+            raise ValueError(f"{path} holds {values.dtype.str}{list(values.shape)}, not "
+                             f"{expected['dtype']}{expected['shape']}")
+        if os.path.getsize(path) != values.offset + values.nbytes:
+            raise ValueError(f"{path}: {os.path.getsize(path)} bytes, not {values.offset + values.nbytes}")
+        arrays[array_name] = values
+    return arrays
+
+
+def source_key(dataset):
+    """What identifies an IndexedDataset's contents in a cache key: its index's path, size and mtime."""
+    return [os.path.abspath(dataset.path_prefix + ".idx"), dataset.idx_stat.st_size, dataset.idx_stat.st_mtime_ns]
+
+
+def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
+    """(a directory per prefix, one for the blends): `cache_dir` if given; else beside the data, where megatron-core
+    keeps its GPTDataset indices (`<prefix>/cache/GPTDataset_indices`; it keeps no blend, ours go beside the first
+    prefix); else, where that cannot be written, `fallback_cache_dir`; else None (built in memory). `blended`: whether
+    the blends need one."""
+    if cache_dir is not None:
+        return [cache_dir] * len(prefixes), cache_dir
+
+    def beside(prefix, kind):
+        path = os.path.join(prefix, "cache", f"{kind}_indices")
+        if _writable(path):
+            return path
+        if fallback_cache_dir is None:
+            log(f"{path}: not writable and no fallback cache directory: the indices are not kept")
+        return fallback_cache_dir
+
+    return ([beside(prefix, "GPTDataset") for prefix in prefixes],
+            beside(prefixes[0], "BlendedDataset") if blended else None)
+
+
+def _writable(path):
+    """Whether `path` can be created or written: its nearest existing ancestor is a writable directory."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
+def distributed():
+    """(rank, world size) of the initialized torch.distributed group, else (0, 1). Never imports torch itself:
+    a process that has not imported it has no process group."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def log(message):
+    if distributed()[0] == 0:
+        print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Datasets
 
 
@@ -684,6 +903,58 @@ def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
 # Validation: windows of a token stream, in order
 
 
+class TokenWindows:
+    """Windows of a token stream in order: window k is stream[k*T : k*T + T + 1], returned as {"tokens": its first T,
+    "labels": its last T} (int64), so consecutive windows share one token, as llm.c's loader reads.
+
+    pieces: [(dataset, sequence ids), ...] that make the stream, in order; a dataset needs only sequence_lengths and
+    get(i, offset, length)."""
+
+    def __init__(self, pieces, seq_length, length):
+        self.pieces, self.seq_length, self.length = pieces, seq_length, length
+        self.piece_starts = []  # token offsets in the stream of each piece's sequences, plus its end
+        total = 0
+        for dataset, sequences in pieces:
+            starts = np.empty(len(sequences) + 1, dtype=np.int64)
+            starts[0] = total
+            np.cumsum(dataset.sequence_lengths[sequences], dtype=np.int64, out=starts[1:])
+            starts[1:] += total
+            total = int(starts[-1])
+            self.piece_starts.append(starts)
+        self.num_tokens = total
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        start, stop = i * self.seq_length, i * self.seq_length + self.seq_length + 1
+        parts = []
+        for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
+            if starts[-1] <= start or starts[0] >= stop:
+                continue
+            first = max(np.searchsorted(starts, start, side="right") - 1, 0)
+            last = min(np.searchsorted(starts, stop, side="left"), len(sequences))
+            for k in range(first, last):
+                begin = max(start - starts[k], 0)
+                parts.append(dataset.get(sequences[k], begin, min(stop, starts[k + 1]) - starts[k] - begin))
+        text = np.concatenate(parts).astype(np.int64)
+        return {"tokens": text[:-1], "labels": text[1:]}
+
+
+class Tokens:
+    """A few tokens posing as a one-sequence dataset, to lead a TokenWindows stream."""
+
+    def __init__(self, tokens):
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.sequence_lengths = np.array([len(self.tokens)], dtype=np.int64)
+
+    def get(self, i, offset=0, length=None):
+        return self.tokens[offset:None if length is None else offset + length]
+
+
 class LLMCValWindows(TokenWindows):
     """llm.c's validation batches: the stream [eot] + every document of `path_prefix` (a prefix or glob: its sorted
     prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes. llm.c's shards
@@ -755,3 +1026,186 @@ class PretrainingSampler:
         for k in range(len(self)):
             first = self.consumed_samples + k * global_batch + self.rank * self.micro_batch_size
             yield list(range(first, first + self.micro_batch_size))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Token ranges and the command line
+
+
+TOKENS_PER_STEP = 1 << 26  # tokens read at a time by the range pass: bounds its memory
+
+
+def token_range(dataset, cache_dir=None):
+    """(smallest, largest) token id of a dataset (an IndexedDataset or a prefix), or (None, None) if it has no
+    tokens. Computed in one chunked pass over the .bin and kept in `<prefix>.stats.json`; where the dataset's
+    directory is read-only, in `cache_dir` (when given), else computed every time."""
+    prefix = dataset.path_prefix if isinstance(dataset, IndexedDataset) else dataset
+    try:
+        key = {name: [os.stat(prefix + suffix).st_size, os.stat(prefix + suffix).st_mtime_ns]
+               for name, suffix in (("bin", ".bin"), ("idx", ".idx"))}
+    except OSError:  # missing files: opening the dataset names them
+        key = None
+    path = _stats_path(prefix, cache_dir)
+    try:
+        with open(path) as f:
+            stats = json.load(f)
+        if stats["key"] == key:
+            return stats["min"], stats["max"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent, unreadable or stale: compute it
+    # only a cache miss opens the dataset (and checks its index): a warm start reads two stat()s and a small file
+    ds = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(prefix)
+    low, high = _scan_range(ds)
+    if path is not None and key is not None:
+        try:
+            with atomic_write(path, "w") as f:
+                json.dump({"key": key, "min": low, "max": high}, f)
+        except OSError:
+            pass  # a cache we cannot write costs only the pass next time
+    return low, high
+
+
+def max_token_id(dataset, cache_dir=None):
+    """The largest token id of a dataset (an IndexedDataset or a prefix); None if it has no tokens."""
+    return token_range(dataset, cache_dir)[1]
+
+
+def check_token_range(paths, vocab_size, cache_dir=None):
+    """Raise ValueError naming the .bin if any dataset of `paths` (a prefix, a glob, a blend list, or a list of
+    IndexedDatasets) holds a token id outside [0, vocab_size). Cheap after the first call (token_range)."""
+    if isinstance(paths, (list, tuple)) and paths and all(isinstance(p, IndexedDataset) for p in paths):
+        datasets = list(paths)
+    else:
+        datasets = resolve_blend(paths)[0]
+    for dataset in datasets:
+        low, high = token_range(dataset, cache_dir)
+        name = (dataset.path_prefix if isinstance(dataset, IndexedDataset) else dataset) + ".bin"
+        if high is not None and high >= vocab_size:
+            raise ValueError(f"token id {high} in {name} is outside the model's vocabulary (vocab_size {vocab_size})")
+        if low is not None and low < 0:
+            raise ValueError(f"token id {low} in {name} is negative: outside the model's vocabulary "
+                             f"(vocab_size {vocab_size})")
+
+
+def _stats_path(path_prefix, cache_dir):
+    directory = os.path.dirname(os.path.abspath(path_prefix))
+    if os.access(directory, os.W_OK | os.X_OK):
+        return path_prefix + ".stats.json"
+    if cache_dir is None:
+        return None
+    os.makedirs(cache_dir, exist_ok=True)
+    digest = hashlib.sha256(os.path.abspath(path_prefix).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"{os.path.basename(path_prefix)}-{digest}.stats.json")
+
+
+def _scan_range(ds):
+    tokens, low, high = ds.tokens, None, None
+    with tqdm(total=len(tokens), unit="tok", unit_scale=True, desc=os.path.basename(ds.path_prefix), file=sys.stderr,
+              disable=len(tokens) < 10 * TOKENS_PER_STEP) as progress:
+        for start in range(0, len(tokens), TOKENS_PER_STEP):
+            part = tokens[start:start + TOKENS_PER_STEP]
+            low = int(part.min()) if low is None else min(low, int(part.min()))
+            high = int(part.max()) if high is None else max(high, int(part.max()))
+            progress.update(len(part))
+    return low, high
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def info(paths):
+    """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
+    prefixes = _cli_prefixes(paths)
+    totals = np.zeros(3, dtype=np.int64)
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        lengths = ds.sequence_lengths
+        counts = np.array([ds.num_documents, len(ds), ds.num_tokens])
+        totals += counts
+        spread = (f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
+                  if len(lengths) else "")
+        print(f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens ({ds.dtype}); "
+              f".bin {os.path.getsize(prefix + '.bin'):,} bytes, .idx {os.path.getsize(prefix + '.idx'):,} bytes"
+              + spread)
+    if len(prefixes) > 1:
+        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} sequences, "
+              f"{totals[2]:,} tokens")
+
+
+def verify(paths, vocab_size=None):
+    """Check every prefix end to end: opening it (the index against itself and the .bin's size), then every token
+    (below `vocab_size` when given). Returns the list of problems (empty if all is well)."""
+    problems = []
+    for prefix in _cli_prefixes(paths):
+        try:
+            ds = IndexedDataset(prefix)
+        except (ValueError, FileNotFoundError) as error:
+            problems.append(str(error))
+            continue
+        low, high = _scan_range(ds)  # read afresh: verifying trusts no cache
+        ok = vocab_size is None or high is None or (high < vocab_size and low >= 0)
+        if not ok:
+            problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary [0, {vocab_size})")
+        print(f"{prefix}: {'ok' if ok else 'PROBLEMS'}: {ds.num_documents:,} documents, "
+              f"{len(ds):,} sequences, {ds.num_tokens:,} tokens, ids in [{low}, {high}]")
+    return problems
+
+
+def verify_cache(cache_dir):
+    """Check every entry of an index cache directory byte for byte against the sha256 its description recorded
+    (loading checks only sizes, shapes and keys). Returns the list of problems; a damaged entry should be deleted,
+    and is then rebuilt by the next run."""
+    descriptions = sorted(glob.glob(os.path.join(cache_dir, "*.json")))
+    if not descriptions:
+        raise FileNotFoundError(f"{cache_dir}: no index cache entries (*.json) here")
+    problems = []
+    for path in descriptions:
+        try:
+            with open(path) as f:
+                arrays = json.load(f)["arrays"]
+            for name, expected in arrays.items():
+                array_path = path[:-len(".json")] + f"-{name}.npy"
+                values = np.load(array_path, mmap_mode="r")
+                if hashlib.sha256(np.ascontiguousarray(values)).hexdigest() != expected["sha256"]:
+                    problems.append(f"{array_path}: its contents differ from when it was written")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problems.append(f"{path}: unreadable entry ({type(error).__name__}: {error})")
+    print(f"{cache_dir}: {len(descriptions)} entries checked")
+    return problems
+
+
+def _cli_prefixes(paths):
+    """Prefixes from the command line: one prefix or quoted glob, or the files an unquoted glob expanded to."""
+    if len(paths) == 1:
+        path = paths[0]
+        return resolve_blend(path[:-4] if path.endswith((".bin", ".idx")) else path)[0]
+    return sorted({p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="documents, sequences, tokens, dtype and sizes").add_argument(
+        "paths", metavar="PREFIX_OR_GLOB", nargs="+")
+    verify_parser = commands.add_parser("verify", help="check the index and read every token")
+    verify_parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
+    verify_parser.add_argument("--vocab-size", type=int, default=None, help="fail on token ids >= this")
+    commands.add_parser("verify-cache", help="check an index cache directory's checksums").add_argument("cache_dir")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            info(args.paths)
+            return 0
+        problems = verify(args.paths, args.vocab_size) if args.command == "verify" else verify_cache(args.cache_dir)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    print("OK" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from checkpoint import load_model
+from model import load_model
 from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
 
 

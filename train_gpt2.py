@@ -7,7 +7,7 @@ Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU proce
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --compile=False   # --key=value overrides the config
 
 Config: the defaults in TrainConfig below, then the config file (top-level assignments), then --key=value arguments
-(configurator.py).
+(parse_config below, as nanoGPT's configurator.py).
 Under torchrun the model is sharded with FSDP2 (NCCL on GPUs, gloo on CPU); one process trains a plain model.
 Everything goes into out_dir: train_config.json, main.log (llm.c's log format, so llm.c's vislog can lay the curves over
 its own), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/ (torch.distributed.checkpoint) and, at the end, hf/
@@ -15,37 +15,44 @@ its own), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/ (torch.distributed.c
 ranks; out_dir must be on a filesystem every node sees. SIGTERM/SIGINT write a checkpoint at the next step boundary
 and exit cleanly.
 """
+import ast
 import dataclasses
+import difflib
+import errno
+import fcntl
 import gc
 import json
 import math
 import os
 import queue
+import random
 import resource
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
+import traceback
 import types
+import typing
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hellaswag
 from atomic_io import atomic_write, fsync_dir
-from checkpoint import (assert_finite, is_run_or_checkpoint, last_good_checkpoint, load_checkpoint, load_weights,
-                        newest_usable_checkpoint, read_train_state, resolve_checkpoint, save_checkpoint)
-from configurator import parse_config
-from dataset_tools import check_token_range
-from distributed import barrier, broadcast_object, rank_and_world_size, setup_distributed
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend,
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, check_token_range, resolve_blend,
                              sequential_samples, token_weighted_blend)
-from hf_weights import export_hf, load_hf_sharded, resolve_pretrained
-from model import GPT, GPTConfig, init_sharded
-from run_dir import HF_MARKER, RunLock, check_out_dir, move_old_logs, os_error_message
+from model import (GPT, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded, is_run_or_checkpoint,
+                   load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state, resolve_checkpoint,
+                   resolve_pretrained, set_aside)
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
 
@@ -109,6 +116,70 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 # -----------------------------------------------------------------------------
 # config
 
+def parse_config(config_class, argv):
+    """An instance of the dataclass `config_class` from argv: config files (Python, top-level assignments) and
+    --key=value overrides, applied in order. Values are parsed with ast.literal_eval, falling back to the plain
+    string. Unknown keys and wrong types raise ValueError naming the key (and the closest valid one); an error in a
+    config file names file:line."""
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    values = {}
+
+    def checked(key, value, where):
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"{where}: unknown config key '{key}'{hint}")
+        allowed = typing.get_args(fields[key].type) or (fields[key].type,)
+        if float in allowed and type(value) is int:
+            value = float(value)
+        if not any(type(value) is t or (t not in (int, bool) and isinstance(value, t)) for t in allowed):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+        return value
+
+    def exec_config(path):
+        """The namespace of config file `path` run as Python; its errors become one ValueError naming file:line."""
+        namespace = {}
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            exec(compile(text, path, "exec"), namespace)
+        except SyntaxError as e:
+            raise ValueError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+        except SystemExit as e:  # a config must not end the run, least of all with exit status 0
+            raise ValueError(f"{path}: the config file called sys.exit({e.code!r}); a config only assigns values") \
+                from None
+        except Exception as e:
+            line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                         if frame.filename == path), "?")
+            raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
+        return namespace
+
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                raise ValueError(f"{arg}: write overrides as --key=value")
+            key, text = arg[2:].split("=", 1)
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                value = text
+            try:
+                values[key] = checked(key, value, f"command line {arg}")
+            except ValueError:
+                if key not in fields or str not in typing.get_args(fields[key].type) + (fields[key].type,):
+                    raise
+                values[key] = text  # --split=969,30,1 means the string, not a tuple
+        else:
+            if not os.path.isfile(arg):
+                raise FileNotFoundError(f"{arg}: config file not found")
+            namespace = exec_config(arg)
+            for key, value in namespace.items():
+                if not key.startswith("_") and not isinstance(value, types.ModuleType):
+                    values[key] = checked(key, value, arg)
+    return config_class(**values)
+
+
 def load_config(argv):
     """TrainConfig from argv (config files, then --key=value overrides; see configurator.py), range-checked."""
     cfg = parse_config(TrainConfig, argv)
@@ -143,6 +214,267 @@ def check_config(cfg):
             raise ValueError(f"config: {key} must be a finite number, got {getattr(cfg, key)}")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         raise ValueError(f"config: beta1 and beta2 must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
+
+
+# -----------------------------------------------------------------------------
+# processes, out_dir and checkpoints
+
+def setup_distributed(device_choice="auto", timeout_s=900):
+    """(rank, world_size, device). Under torchrun a process group is created: NCCL on GPUs, gloo on CPU."""
+    if device_choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("config: device is 'cuda' but torch sees no CUDA GPU")
+    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
+    rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s),
+                            device_id=device if use_cuda else None)
+    return rank, world_size, device
+
+
+def rank_and_world_size():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag):
+    """Whether `flag` is true on any rank (a collective: every rank calls it)."""
+    if not dist.is_initialized():
+        return bool(flag)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor(float(bool(flag)), device=device)
+    dist.all_reduce(total)
+    return total.item() > 0
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# what train_gpt2.py writes into an out_dir; a non-empty directory holding none of these belongs to someone else
+RUN_FILES = ("train_config.json", "ckpt", "main.log", "metrics.jsonl", ".lock")
+RUN_LOGS = ("main.log", "metrics.jsonl")
+HF_MARKER = ".train_gpt2.json"  # in every hf/ export: only such an hf/ may be replaced by the next export
+
+
+def check_out_dir(out_dir):
+    """Raise ValueError when `out_dir` must not receive a run: empty, the working or project directory or one of
+    their parents, a file, or an existing directory with files in it that no run wrote."""
+    if not out_dir or not out_dir.strip():
+        raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
+    path = os.path.realpath(out_dir)
+    for name, protected in (("the current directory", os.getcwd()), ("the project directory", ROOT)):
+        protected = os.path.realpath(protected)
+        if protected == path or protected.startswith(path.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{out_dir}: out_dir is {name} or one of its parents; name a directory of its own, "
+                             f"e.g. --out_dir=out")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{out_dir}: out_dir is a file; name a directory")
+    if os.path.isdir(path):
+        entries = os.listdir(path)
+        if entries and not any(name in entries for name in RUN_FILES):
+            raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. {sorted(entries)[0]!r}) but "
+                             f"no train_config.json, ckpt/ or main.log: it is not a training run's directory; name "
+                             f"an empty or new directory")
+
+
+class RunLock:
+    """An exclusive flock on out_dir/.lock, held for the life of the run (the OS drops it when the process dies, so
+    kill -9 never leaves a stale lock). The holder writes its pid and host into the file for the error the next
+    run prints. flock works across nodes on NFS (Linux emulates it with POSIX locks) and on Lustre mounted with
+    -o flock."""
+    held = []  # the descriptors of this process's locks, until release_all
+
+    @classmethod
+    def acquire(cls, out_dir):
+        path = os.path.join(out_dir, ".lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise ValueError(f"{out_dir}: another run is training in this out_dir ({path} is held by {holder}); "
+                                 f"wait for it to end, stop it, or choose another out_dir") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        cls.held.append(fd)
+
+    @classmethod
+    def release_all(cls):
+        while cls.held:
+            os.close(cls.held.pop())  # closing the only descriptor drops the flock
+
+
+def move_old_logs(out_dir):
+    """Rename main.log / metrics.jsonl of an earlier run to NAME.K (the next free K) so a fresh run never mixes its
+    curves with them; return the messages saying so."""
+    moved = []
+    for name in RUN_LOGS:
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            k = 1
+            while os.path.exists(f"{path}.{k}"):
+                k += 1
+            os.rename(path, f"{path}.{k}")
+            moved.append(f"{path} of an earlier run moved to {path}.{k}")
+    return moved
+
+
+def os_error_message(e):
+    """One line for an OSError: what failed on which path, and the way out."""
+    hints = {errno.ENOSPC: "free some space or choose another out_dir",
+             errno.EDQUOT: "free some space or choose another out_dir",
+             errno.EACCES: "choose a directory you can write to", errno.EPERM: "choose a directory you can write to",
+             errno.EROFS: "the filesystem is read-only; choose another directory",
+             errno.ENOTDIR: "a part of the path is a file, not a directory; choose another path",
+             errno.EEXIST: "a part of the path is a file, not a directory; choose another path",
+             errno.ENOENT: "check the path"}
+    where = e.filename if e.filename is not None else ""
+    text = f"{where}: {e.strerror or e}" if where else str(e)
+    hint = hints.get(e.errno)
+    return f"{text}; {hint}" if hint else text
+
+
+def assert_finite(model, what, ckpt_root):
+    """Raise FloatingPointError on every rank when any rank's parameters hold NaN or inf, so that no checkpoint or
+    export ever holds them. Collective: every rank calls it (each checks its own shard)."""
+    params = dict(model.named_parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
+    finite = torch.stack([torch.isfinite(t.detach()).all() for t in local]).tolist()  # one device sync, not one each
+    bad = [name for name, ok in zip(params, finite) if not ok]
+    if any_rank(bad):
+        raise FloatingPointError(f"{what}: parameters hold NaN or inf ("
+                                 + (", ".join(bad[:3]) if bad else "on another rank")
+                                 + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
+
+
+def last_good_checkpoint(ckpt_root):
+    """The sentence every stop for non-finite numbers ends with: where the run can be taken up again."""
+    kept = complete_checkpoints(ckpt_root)
+    return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
+
+
+def fsync_tree(path):
+    """fsync every file in directory `path`, then the directory (DCP already syncs the shards it writes, on every
+    node; this covers the rest and the directory entries). Returns {file name: size} for the marker."""
+    sizes = {}
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        sizes[name] = os.path.getsize(file)
+    fsync_dir(path)
+    return sizes
+
+
+def checkpoint_write_error(e, path):
+    """An OSError for a failed checkpoint write: DCP wraps each rank's exception into a CheckpointException."""
+    failures = getattr(e, "failures", {}) or {}
+    for rank, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, OSError):
+            return OSError(cause.errno, f"writing checkpoint {path} failed on rank {rank}: "
+                                        f"{cause.strerror or cause}", cause.filename)
+    if isinstance(e, OSError):
+        return OSError(e.errno, f"writing checkpoint {path} failed: {e.strerror or e}", e.filename)
+    return None
+
+
+def save_checkpoint(ckpt_root, model, optimizer, train_state, keep, rank):
+    """Write a checkpoint into a temporary directory, fsync it, write the marker, publish it by renaming, then delete
+    all but the newest `keep` complete ones. Non-finite weights raise FloatingPointError instead; a failed write
+    raises OSError and leaves no directory that looks complete. Collective: every rank calls it."""
+    assert_finite(model, f"checkpoint at step {train_state['step']}", ckpt_root)
+    final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
+    if broadcast_object(os.path.isfile(os.path.join(final, MARKER)) if rank == 0 else None):
+        return final  # this very state is already saved (a run resumed here and stopped at once)
+    tmp = final + ".tmp"
+    if rank == 0:
+        if os.path.exists(final):
+            print(f"incomplete checkpoint {final} moved to {set_aside(final, 'incomplete')}")
+        shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted write
+        os.makedirs(tmp)
+    barrier()
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        if rank == 0:  # dcp.save returns on rank 0 after every rank's files are written
+            rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                       cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+            with atomic_write(os.path.join(tmp, "rng.pt")) as f:
+                torch.save(rng, f)
+            with atomic_write(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
+                json.dump(train_state, f, indent=2)
+            sizes = fsync_tree(tmp)
+            with atomic_write(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+                json.dump(dict(step=train_state["step"], sizes=sizes), f, indent=2)
+            os.rename(tmp, final)
+            fsync_dir(ckpt_root)
+    except (Exception, CheckpointException) as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space; it never held a marker
+        error = checkpoint_write_error(e, final)
+        if error is None:
+            raise
+        raise error from None
+    if rank == 0:
+        for old in complete_checkpoints(ckpt_root)[:-keep]:
+            shutil.rmtree(old)
+    barrier()
+    return final
+
+
+def restore_rng(ckpt_path):
+    # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all ranks
+    rng = torch.load(os.path.join(ckpt_path, "rng.pt"), weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def load_checkpoint(ckpt_path, model, optimizer):
+    """Load model, optimizer and RNG states in place (resharding onto this run's ranks); return train_state.json.
+    When any rank fails to read ckpt_path, every rank learns it (DCP's load is collective, so all must move on
+    together): it is renamed aside and the next older complete checkpoint of the same run is tried."""
+    older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
+    candidates = [ckpt_path] + broadcast_object(older)
+    for path in candidates:
+        error = None
+        try:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            restore_rng(path)
+            train_state = read_train_state(path)
+        except (Exception, CheckpointException) as e:
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if not any_rank(error is not None):
+            return train_state
+        if rank_and_world_size()[0] == 0:
+            print(f"skipping checkpoint {path}: it failed to load ({error or 'on another rank'}); kept as "
+                  f"{set_aside(path, 'damaged')}")
+        barrier()
+    raise ValueError(f"{os.path.dirname(ckpt_path)}: no checkpoint could be loaded (damaged ones were renamed "
+                     f"*.damaged-*); start a fresh run in another out_dir")
 
 
 # -----------------------------------------------------------------------------
@@ -773,12 +1105,17 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """`python train_gpt2.py ...`: main()'s exit status; an error is one line, prefixed with the rank under torchrun."""
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        status = main()
+        status = main(argv)
     except (ValueError, FloatingPointError) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
     except OSError as e:  # a file or directory the run cannot use: full disk, read-only, a file in the path
         sys.exit(f"{prefix}train_gpt2.py: error: {os_error_message(e)}")
     sys.exit(status)
+
+
+if __name__ == "__main__":
+    cli()

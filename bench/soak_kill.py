@@ -19,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-import checkpoint  # noqa: E402
+from model import check_checkpoint, complete_checkpoints  # noqa: E402
 from test_faults import launch  # noqa: E402
 from test_train import metrics, tiny, write_byte_dataset  # noqa: E402
 
@@ -42,7 +42,7 @@ def main():
     out = os.path.join(work, "killed")
     kinds, runs, left_incomplete = collections.Counter(), 0, 0
     while kinds.total() < args.kills:
-        done = checkpoint.complete_checkpoints(os.path.join(out, "ckpt"))
+        done = complete_checkpoints(os.path.join(out, "ckpt"))
         start = int(os.path.basename(done[-1])[5:]) if done else 0
         ahead = [s for s in range(start + args.ckpt_every, args.max_steps, args.ckpt_every)]
         if not ahead:
@@ -59,8 +59,8 @@ def main():
         left_incomplete += sum(name.endswith(".tmp") for name in os.listdir(os.path.join(out, "ckpt")))
         ckpt_root = os.path.join(out, "ckpt")
         steps = [os.path.join(ckpt_root, n) for n in os.listdir(ckpt_root) if re.fullmatch(r"step_\d{8}", n)]
-        assert sorted(steps) == checkpoint.complete_checkpoints(ckpt_root), f"{fault}: an incomplete step_N"
-        assert all(checkpoint.check_checkpoint(p) is None for p in steps), f"{fault}: a damaged step_N"
+        assert sorted(steps) == complete_checkpoints(ckpt_root), f"{fault}: an incomplete step_N"
+        assert all(check_checkpoint(p) is None for p in steps), f"{fault}: a damaged step_N"
     result = launch_in(work, tiny(data, out, **config))
     assert result.returncode == 0, result.stderr[-3000:]
     same = metrics(out, "train_loss") == metrics(os.path.join(work, "reference"), "train_loss") and \

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, sys.argv[1])
-from hf_weights import export_hf, from_pretrained, load_hf_sharded, resolve_pretrained  # noqa: E402
+from model import export_hf, from_pretrained, load_hf_sharded, resolve_pretrained  # noqa: E402
 from model import GPT, init_sharded  # noqa: E402
 
 SEED = 1234

@@ -1,6 +1,5 @@
 """What a run does with the out_dir it is given and the checkpoints it finds there: refuses directories that are not
-its own, moves an earlier run's logs aside, counts a checkpoint only when its completeness marker is there (or it is a
-legacy checkpoint of the code before markers), skips damaged checkpoints and keeps them, and turns config-file
+its own, moves an earlier run's logs aside, counts a checkpoint only when its completeness marker is there, skips damaged checkpoints and keeps them, and turns config-file
 mistakes into one line naming file:line. Single-process runs of the 2-layer byte model from test_train."""
 import json
 import os
@@ -11,14 +10,11 @@ import sys
 import pytest
 
 from conftest import ROOT
-import checkpoint
+from model import MARKER, check_checkpoint, complete_checkpoints, read_train_state, resolve_checkpoint
 import train_gpt2
 from test_train import checkpoints, data, metrics, tiny, vislog, write_byte_dataset  # noqa: F401 (data: a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-# an out_dir written by the code before completeness markers (and before the chunked loss head): 20 steps of
-# tiny(...) on the byte dataset, checkpointed at steps 10 and 20, step 20 left out; copied, never modified
-LEGACY_RUN = os.path.join(ROOT, "tests", "fixtures", "legacy_run")
 
 
 @pytest.fixture(scope="module")
@@ -84,44 +80,14 @@ def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     shutil.rmtree(out / "hf")
-    os.remove(out / "ckpt" / "step_00000006" / checkpoint.MARKER)  # as if the write stopped before its marker
-    assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(out / "ckpt"))] == [
+    os.remove(out / "ckpt" / "step_00000006" / MARKER)  # as if the write stopped before its marker
+    assert [os.path.basename(p) for p in complete_checkpoints(str(out / "ckpt"))] == [
         "step_00000002", "step_00000004"]
     train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3))
     assert metrics(out, "train_loss") == metrics(reference, "train_loss")
-    assert os.path.isfile(out / "ckpt" / "step_00000006" / checkpoint.MARKER)
+    assert os.path.isfile(out / "ckpt" / "step_00000006" / MARKER)
     aside = [name for name in checkpoints(out) if name.startswith("step_00000006.incomplete-")]
     assert len(aside) == 1
-
-
-def make_legacy(path):
-    """What the code before markers wrote: no marker, no "format" in train_state.json."""
-    os.remove(os.path.join(path, checkpoint.MARKER))
-    state = checkpoint.read_train_state(path)
-    del state["format"]
-    with open(os.path.join(path, "train_state.json"), "w") as f:
-        json.dump(state, f, indent=2)
-
-
-def test_legacy_checkpoint_without_marker_resumes_exactly(data, reference, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(reference, out)
-    shutil.rmtree(out / "ckpt" / "step_00000006")
-    make_legacy(out / "ckpt" / "step_00000004")
-    assert checkpoint.resolve_checkpoint(str(out)).endswith("step_00000004")
-    train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3))
-    assert metrics(out, "train_loss") == metrics(reference, "train_loss")
-
-    # a run of the old code itself resumes from its step 10 and retraces its steps 10..19; its loss head summed in
-    # another order, so the figures agree to float rounding rather than bit for bit
-    old = tmp_path / "legacy"
-    shutil.copytree(LEGACY_RUN, old / "out")
-    write_byte_dataset(str(old / "bytes"))
-    logged = metrics(old / "out", "train_loss")
-    train_gpt2.main(tiny(str(old / "bytes"), old / "out", index_mapping_dir=str(old / "index_cache"), max_steps=20))
-    resumed = metrics(old / "out", "train_loss")
-    assert resumed.keys() == logged.keys() and max(abs(resumed[k] - logged[k]) for k in logged) < 1e-5
-    assert os.path.isfile(old / "out" / "hf" / ".train_gpt2.json")  # the old export (no marker) was ours: replaced
 
 
 @pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "empty rng.pt", "bad train_state.json",
@@ -129,7 +95,7 @@ def test_legacy_checkpoint_without_marker_resumes_exactly(data, reference, tmp_p
 def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
     path = tmp_path / "step"
     shutil.copytree(reference / "ckpt" / "step_00000006", path)
-    assert checkpoint.check_checkpoint(str(path)) is None
+    assert check_checkpoint(str(path)) is None
     name, text = {"truncated shard": ("__0_0.distcp", None), "missing shard": ("__0_0.distcp", None),
                   "empty rng.pt": ("rng.pt", b""), "bad train_state.json": ("train_state.json", b"{\"step\": 6,"),
                   "no .metadata": (".metadata", None)}[damage]
@@ -139,7 +105,7 @@ def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
         os.remove(path / name)
     else:
         (path / name).write_bytes(text)
-    assert str(path / name) in checkpoint.check_checkpoint(str(path))
+    assert str(path / name) in check_checkpoint(str(path))
 
 
 def test_damaged_newest_checkpoint_is_skipped_named_and_kept(data, reference, tmp_path, capsys, monkeypatch):
@@ -155,13 +121,13 @@ def test_damaged_newest_checkpoint_is_skipped_named_and_kept(data, reference, tm
     assert [name for name in checkpoints(out) if name.startswith("step_00000006.damaged-")]
 
     # damage only the load notices: every rank gives up on it together and the next older one is loaded
-    real_load = checkpoint.dcp.load
+    real_load = train_gpt2.dcp.load
 
     def failing_load(state, checkpoint_id, **kwargs):
         if checkpoint_id.endswith("step_00000006"):
             raise RuntimeError("unreadable shard")
         return real_load(state, checkpoint_id=checkpoint_id, **kwargs)
-    monkeypatch.setattr(checkpoint.dcp, "load", failing_load)
+    monkeypatch.setattr(train_gpt2.dcp, "load", failing_load)
     shutil.rmtree(out / "hf")
     train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3))
     assert "failed to load (RuntimeError: unreadable shard)" in capsys.readouterr().out

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from configurator import parse_config
+from train_gpt2 import parse_config
 
 
 @dataclass

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-import dataset_tools
-from dataset_tools import check_token_range, max_token_id, token_range
+import indexed_dataset as dataset_tools
+from indexed_dataset import check_token_range, max_token_id, token_range
 from indexed_dataset import IndexedDataset, build_gpt_datasets
 from test_indexed_dataset import corrupt, deny_writes, random_documents, write_ours
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "dataset_tools.py"), *args],
+    return subprocess.run([sys.executable, os.path.join(ROOT, "indexed_dataset.py"), *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-import checkpoint
+from model import check_checkpoint, complete_checkpoints
 import plot_log
 import sample
 import train_gpt2
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # the hooks live here, not in the product: FAULT=kind:args kills this process (SIGKILL) at one chosen point
 LAUNCHER = """
-import os, runpy, signal, sys
+import os, signal, sys
 import torch
 import torch.distributed.checkpoint.filesystem as fs
-import checkpoint
+import train_gpt2
 kind, *args = os.environ.get("FAULT", "none").split(":")
 args = [int(a) for a in args]
 rank = int(os.environ.get("RANK", 0))
@@ -44,7 +44,7 @@ if kind == "step" and rank == args[0]:  # after this process's args[1]-th optimi
         return result
     torch.optim.AdamW.step = step
 if kind == "bytes" and rank == args[0]:  # once args[2] bytes of this rank's shard of checkpoint step args[1] are out
-    real_save, real_write, current = checkpoint.dcp.save, fs._write_item, [""]
+    real_save, real_write, current = train_gpt2.dcp.save, fs._write_item, [""]
     def save(state_dict, checkpoint_id, **kwargs):
         current[0] = str(checkpoint_id)
         return real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
@@ -54,17 +54,16 @@ if kind == "bytes" and rank == args[0]:  # once args[2] bytes of this rank's sha
             stream.flush()
             die()
         return result
-    checkpoint.dcp.save, fs._write_item = save, write_item
+    train_gpt2.dcp.save, fs._write_item = save, write_item
 if kind == "marker" and rank == 0:  # every file of checkpoint step args[0] written and synced, the marker not yet
-    real_fsync_tree = checkpoint.fsync_tree
+    real_fsync_tree = train_gpt2.fsync_tree
     def fsync_tree(path):
         sizes = real_fsync_tree(path)
         if path.endswith(f"step_{args[0]:08d}.tmp"):
             die()
         return sizes
-    checkpoint.fsync_tree = fsync_tree
-sys.argv[0] = os.path.join(os.environ["PYTHONPATH"], "train_gpt2.py")
-runpy.run_path(sys.argv[0], run_name="__main__")  # as `python train_gpt2.py ARGS`: exit status and error lines
+    train_gpt2.fsync_tree = fsync_tree
+train_gpt2.cli()  # as `python train_gpt2.py ARGS`: exit status and error lines
 """
 
 
@@ -89,8 +88,8 @@ def assert_only_complete_checkpoints(out):
     """Every step_N directory is complete and readable; interrupted writes are only *.tmp directories."""
     ckpt_root = os.path.join(out, "ckpt")
     steps = [os.path.join(ckpt_root, n) for n in os.listdir(ckpt_root) if re.fullmatch(r"step_\d{8}", n)]
-    assert sorted(steps) == checkpoint.complete_checkpoints(ckpt_root)
-    assert all(checkpoint.check_checkpoint(path) is None for path in steps)
+    assert sorted(steps) == complete_checkpoints(ckpt_root)
+    assert all(check_checkpoint(path) is None for path in steps)
 
 
 def test_sigkill_at_seeded_points_then_rerun_gives_the_uninterrupted_run_bit_for_bit(data, tmp_path):
@@ -99,7 +98,7 @@ def test_sigkill_at_seeded_points_then_rerun_gives_the_uninterrupted_run_bit_for
     assert reference.returncode == 0, reference.stderr[-3000:]
     out = tmp_path / "killed"
     for fault in kill_points(0, 16, 4):
-        before = checkpoint.complete_checkpoints(str(out / "ckpt"))
+        before = complete_checkpoints(str(out / "ckpt"))
         result = launch(tmp_path, tiny(data, out, **config), fault)
         assert result.returncode != 0, f"{fault}: the run was not killed"
         assert_only_complete_checkpoints(out)
@@ -195,7 +194,7 @@ def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, cap
 def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", f"import run_dir, time; run_dir.RunLock.acquire({str(out)!r}); "
+    holder = subprocess.Popen([sys.executable, "-c", f"import train_gpt2, time; train_gpt2.RunLock.acquire({str(out)!r}); "
                                f"print('locked', flush=True); time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -223,5 +222,5 @@ def test_sigterm_exits_143_after_its_checkpoint_and_a_finished_run_exits_0(data,
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by a signal" in stdout and "Traceback" not in stderr
     assert "Warning" not in stderr  # e.g. no FutureWarning from a decorated class
-    assert len(checkpoint.complete_checkpoints(str(out / "ckpt"))) == 1
+    assert len(complete_checkpoints(str(out / "ckpt"))) == 1
     assert train_gpt2.main(args) == 0

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 import hellaswag
-from hf_weights import from_pretrained
+from model import from_pretrained
 from tokenizer import gpt2_encoding
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT
-from hf_weights import export_hf, from_pretrained, load_hf_sharded, save_pretrained
+from model import export_hf, from_pretrained, load_hf_sharded, save_pretrained
 from model import GPT, GPTConfig, init_sharded
 
 WORKER = os.path.join(ROOT, "tests", "hf_sharded_worker.py")

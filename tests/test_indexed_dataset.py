@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from dataset_tools import verify_cache
+from indexed_dataset import verify_cache
 from indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, LLMCValWindows, PretrainingSampler,
                              build_gpt_datasets, optimal_dtype, resolve_blend, sequential_samples, split_matrix)
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT
-from hf_weights import from_pretrained, load_pretrained_state_dict, save_pretrained
+from model import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 
 TOL = 1e-5
@@ -132,9 +132,11 @@ def test_sharded_safetensors(tmp_path):
     assert_matches_hf(from_pretrained(str(path)).eval(), hf)
 
 
-def test_load_pretrained_state_dict_is_unpadded_fp32_with_our_names(tiny_hf_dir):
+def test_from_pretrained_state_dict_is_unpadded_fp32_with_our_names(tiny_hf_dir):
     path, hf = tiny_hf_dir
-    config, state_dict = load_pretrained_state_dict(str(path))
+    model = from_pretrained(str(path))
+    config, state_dict = model.config, model.state_dict()
+    del state_dict["lm_head.weight"]
     assert config == GPTConfig(block_size=64, vocab_size=100, n_layer=2, n_head=2, n_embd=32)
     reference = GPT(config).state_dict()
     del reference["lm_head.weight"]
@@ -237,7 +239,7 @@ def test_hub_id_from_offline_cache(tmp_path, tiny_hf_dir):
     path, hf = tiny_hf_dir
     fake_hub_repo(tmp_path / "cache", "someorg/tiny-gpt2",
                   {name: path / name for name in ("config.json", "model.safetensors")})
-    script = ("import sys, torch; from hf_weights import from_pretrained; m = from_pretrained('someorg/tiny-gpt2'); "
+    script = ("import sys, torch; from model import from_pretrained; m = from_pretrained('someorg/tiny-gpt2'); "
               "torch.save(m(torch.arange(24).view(2, 12))[0], sys.argv[1])")
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     subprocess.run([sys.executable, "-c", script, str(tmp_path / "logits.pt")], cwd=ROOT, env=env, check=True,

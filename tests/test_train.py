@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-import checkpoint
+from model import load_model, resolve_checkpoint
 import train_gpt2
 from indexed_dataset import IndexedDatasetBuilder, sequential_samples
 
@@ -188,7 +188,7 @@ def test_one_and_two_ranks_give_the_same_run(one_process_run, two_rank_run):
     # the final weights, exported for transformers, give the logits of the final checkpoint
     from transformers import GPT2LMHeadModel
     hf = GPT2LMHeadModel.from_pretrained(os.path.join(two_rank_run, "hf")).eval()
-    ours = checkpoint.model_from_checkpoint(two_rank_run).eval()
+    ours = load_model(two_rank_run).eval()
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, ours(tokens)[0], atol=1e-5, rtol=1e-5)
@@ -256,14 +256,13 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_proc
 
 KILL_IN_SECOND_CHECKPOINT_WRITE = """
 import os, signal, sys
-import checkpoint
 import train_gpt2
-real_save = checkpoint.dcp.save
+real_save = train_gpt2.dcp.save
 def save_then_die(state_dict, checkpoint_id, **kwargs):
     real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
     if checkpoint_id.endswith("step_00000020.tmp"):
         os.kill(os.getpid(), signal.SIGKILL)
-checkpoint.dcp.save = save_then_die
+train_gpt2.dcp.save = save_then_die
 train_gpt2.main(sys.argv[1:])
 """
 
@@ -274,7 +273,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(data, one_process_r
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     assert checkpoints(out) == ["step_00000010", "step_00000020.tmp"]
-    assert checkpoint.resolve_checkpoint(str(out)).endswith("step_00000010")
+    assert resolve_checkpoint(str(out)).endswith("step_00000010")
 
     train_gpt2.main(tiny(data, out))
     assert "removing incomplete checkpoint" in capsys.readouterr().out
@@ -290,7 +289,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
         train_gpt2.main(tiny(data, out, max_steps=8, ckpt_every_steps=2, lr=1e38))
     assert checkpoints(out) == ["step_00000002", "step_00000004"]
     assert 5 not in vislog(out / "main.log")["trl"]
-    model = checkpoint.model_from_checkpoint(str(out))
+    model = load_model(str(out))
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
     with pytest.raises(ValueError, match=r"step_00000004: .*n_layer 2 \(config: 3\)"):
@@ -328,7 +327,7 @@ def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp
     exported = GPT2LMHeadModel.from_pretrained(str(out / "hf")).eval()
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(exported(tokens).logits, checkpoint.model_from_checkpoint(str(out))(tokens)[0],
+        torch.testing.assert_close(exported(tokens).logits, load_model(str(out))(tokens)[0],
                                    atol=1e-5, rtol=1e-5)
         assert not torch.allclose(exported(tokens).logits, GPT2LMHeadModel.from_pretrained(hf_tiny)(tokens).logits)
 
@@ -343,7 +342,7 @@ def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp
     assert sorted(vislog(out2 / "main.log")["trl"]) == [0, 1, 2]
     with torch.no_grad():
         torch.testing.assert_close(GPT2LMHeadModel.from_pretrained(str(out2 / "hf"))(tokens).logits,
-                                   checkpoint.model_from_checkpoint(str(out2))(tokens)[0], atol=1e-5, rtol=1e-5)
+                                   load_model(str(out2))(tokens)[0], atol=1e-5, rtol=1e-5)
 
 
 def test_config_errors_name_the_key(tmp_path, data):
@@ -375,7 +374,7 @@ def test_config_errors_name_the_key(tmp_path, data):
     with pytest.raises(ValueError, match=r"global_batch_size 10 is not divisible by local_batch_size 4 x world size 1"):
         train_gpt2.main(tiny(data, tmp_path / "out", global_batch_size=10))
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        checkpoint.model_from_checkpoint(str(tmp_path / "nowhere"))
+        load_model(str(tmp_path / "nowhere"))
 
     # on the command line: one line naming the problem, no traceback
     result = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), "--max_step=3"], cwd=ROOT,
