@@ -6,14 +6,11 @@ Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU proce
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train_gpt2.py CONFIG.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --compile=False   # --key=value overrides the config
 
-Config: the defaults in TrainConfig below, then the config file (top-level assignments), then --key=value arguments
-(parse_config below, as nanoGPT's configurator.py).
-Under torchrun the model is sharded with FSDP2 (NCCL on GPUs, gloo on CPU); one process trains a plain model.
-Everything goes into out_dir: train_config.json, main.log (llm.c's log format, so llm.c's vislog can lay the curves over
-its own), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/ (torch.distributed.checkpoint) and, at the end, hf/
-(Hugging Face GPT-2 weights). Rerunning the same command resumes from the newest complete checkpoint, on any number of
-ranks; out_dir must be on a filesystem every node sees. SIGTERM/SIGINT write a checkpoint at the next step boundary
-and exit cleanly.
+Config: the defaults in TrainConfig, then config files (top-level assignments), then --key=value, as nanoGPT's
+configurator.py. Under torchrun the model is sharded with FSDP2 (NCCL on GPUs, gloo on CPU). Everything goes into
+out_dir: train_config.json, main.log (llm.c's format), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/
+(torch.distributed.checkpoint) and, at the end, hf/ (Hugging Face GPT-2). Rerunning the same command resumes from the
+newest complete checkpoint, on any number of ranks. SIGTERM/SIGINT checkpoint at the next step and exit 128 + signum.
 """
 import ast
 import dataclasses
@@ -55,7 +52,6 @@ from model import (GPT, MARKER, GPTConfig, complete_checkpoints, export_hf, init
                    resolve_pretrained, set_aside)
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
-
 
 @dataclass
 class TrainConfig:
@@ -118,17 +114,15 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 
 def parse_config(config_class, argv):
     """An instance of the dataclass `config_class` from argv: config files (Python, top-level assignments) and
-    --key=value overrides, applied in order. Values are parsed with ast.literal_eval, falling back to the plain
-    string. Unknown keys and wrong types raise ValueError naming the key (and the closest valid one); an error in a
-    config file names file:line."""
+    --key=value overrides, in order. Values are Python literals, else plain strings. An unknown key or a wrong type
+    raises ValueError naming the key (and the closest valid one); an error in a config file names file:line."""
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
 
     def checked(key, value, where):
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"{where}: unknown config key '{key}'{hint}")
+            raise ValueError(f"{where}: unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
         allowed = typing.get_args(fields[key].type) or (fields[key].type,)
         if float in allowed and type(value) is int:
             value = float(value)
@@ -138,7 +132,6 @@ def parse_config(config_class, argv):
         return value
 
     def exec_config(path):
-        """The namespace of config file `path` run as Python; its errors become one ValueError naming file:line."""
         namespace = {}
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -173,51 +166,34 @@ def parse_config(config_class, argv):
         else:
             if not os.path.isfile(arg):
                 raise FileNotFoundError(f"{arg}: config file not found")
-            namespace = exec_config(arg)
-            for key, value in namespace.items():
+            for key, value in exec_config(arg).items():
                 if not key.startswith("_") and not isinstance(value, types.ModuleType):
                     values[key] = checked(key, value, arg)
     return config_class(**values)
 
 
 def load_config(argv):
-    """TrainConfig from argv (config files, then --key=value overrides; see configurator.py), range-checked."""
+    """TrainConfig from argv, with the ranges that neither GPTConfig nor AdamW check."""
     cfg = parse_config(TrainConfig, argv)
-    check_config(cfg)
-    return cfg
-
-
-def check_config(cfg):
-    """Values that are out of range raise ValueError naming the key."""
-    at_least = dict(seq_length=1, n_layer=1, n_head=1, n_embd=1, vocab_size=1, global_batch_size=1, local_batch_size=1,
-                    max_steps=1, lr=0.0, min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0, adam_eps=0.0, grad_clip=0.0,
+    at_least = dict(seq_length=1, global_batch_size=1, local_batch_size=1, max_steps=1, lr_warmup_steps=0,
                     val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0, ckpt_keep=1,
-                    log_every_steps=1, dist_timeout_s=1)
+                    log_every_steps=1, dist_timeout_s=1, hellaswag_limit=1, grad_clip=0.0)
     for key, low in at_least.items():
         if getattr(cfg, key) is not None and getattr(cfg, key) < low:
             raise ValueError(f"config: {key} must be >= {low}, got {getattr(cfg, key)}")
-    if cfg.n_embd % cfg.n_head:
-        raise ValueError(f"config: n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
-    if cfg.padded_vocab_size is not None and cfg.padded_vocab_size < cfg.vocab_size:
-        raise ValueError(f"config: padded_vocab_size {cfg.padded_vocab_size} is smaller than vocab_size "
-                         f"{cfg.vocab_size}")
-    if cfg.hellaswag_limit is not None and cfg.hellaswag_limit < 1:
-        raise ValueError(f"config: hellaswag_limit must be None or >= 1, got {cfg.hellaswag_limit}")
-    if 0 < cfg.val_tokens < cfg.seq_length:
-        raise ValueError(f"config: val_tokens {cfg.val_tokens} is less than one sequence of seq_length "
-                         f"{cfg.seq_length}")
-    for key, choices in dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32")).items():
-        if getattr(cfg, key) not in choices:
-            raise ValueError(f"config: {key} must be one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
     for key in ("lr", "min_lr", "weight_decay", "adam_eps", "grad_clip", "beta1", "beta2"):
         if not math.isfinite(getattr(cfg, key)):
             raise ValueError(f"config: {key} must be a finite number, got {getattr(cfg, key)}")
-    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
-        raise ValueError(f"config: beta1 and beta2 must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
+    for key, choices in dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32")).items():
+        if getattr(cfg, key) not in choices:
+            raise ValueError(f"config: {key} must be one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
+    if 0 < cfg.val_tokens < cfg.seq_length:
+        raise ValueError(f"config: val_tokens {cfg.val_tokens} is less than one sequence of {cfg.seq_length}")
+    return cfg
 
 
 # -----------------------------------------------------------------------------
-# processes, out_dir and checkpoints
+# processes and the out_dir
 
 def setup_distributed(device_choice="auto", timeout_s=900):
     """(rank, world_size, device). Under torchrun a process group is created: NCCL on GPUs, gloo on CPU."""
@@ -235,8 +211,9 @@ def setup_distributed(device_choice="auto", timeout_s=900):
     return rank, world_size, device
 
 
-def rank_and_world_size():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+# every helper below also works without a process group (one process), so callers never branch on it
+def is_master():
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def barrier():
@@ -246,11 +223,24 @@ def barrier():
 
 def broadcast_object(obj):
     """Rank 0's `obj` on every rank."""
-    if not dist.is_initialized():
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_rank0(work):
+    """work() done by rank 0 alone; its result on every rank, or its error raised on every rank."""
+    result = error = None
+    if is_master():
+        try:
+            result = work()
+        except (ValueError, OSError) as e:
+            error = e
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error
+    return result
 
 
 def any_rank(flag):
@@ -264,39 +254,33 @@ def any_rank(flag):
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# what train_gpt2.py writes into an out_dir; a non-empty directory holding none of these belongs to someone else
+# what a run writes into an out_dir; a non-empty directory holding none of these belongs to someone else
 RUN_FILES = ("train_config.json", "ckpt", "main.log", "metrics.jsonl", ".lock")
-RUN_LOGS = ("main.log", "metrics.jsonl")
 HF_MARKER = ".train_gpt2.json"  # in every hf/ export: only such an hf/ may be replaced by the next export
 
 
 def check_out_dir(out_dir):
-    """Raise ValueError when `out_dir` must not receive a run: empty, the working or project directory or one of
-    their parents, a file, or an existing directory with files in it that no run wrote."""
+    """Refuse an out_dir that must not receive a run: empty, the working or project directory or one of their
+    parents, a file, or a directory with files that no run wrote."""
     if not out_dir or not out_dir.strip():
         raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
     path = os.path.realpath(out_dir)
     for name, protected in (("the current directory", os.getcwd()), ("the project directory", ROOT)):
         protected = os.path.realpath(protected)
         if protected == path or protected.startswith(path.rstrip(os.sep) + os.sep):
-            raise ValueError(f"{out_dir}: out_dir is {name} or one of its parents; name a directory of its own, "
-                             f"e.g. --out_dir=out")
+            raise ValueError(f"{out_dir}: out_dir is {name} or one of its parents; name a directory of its own")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{out_dir}: out_dir is a file; name a directory")
-    if os.path.isdir(path):
-        entries = os.listdir(path)
-        if entries and not any(name in entries for name in RUN_FILES):
-            raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. {sorted(entries)[0]!r}) but "
-                             f"no train_config.json, ckpt/ or main.log: it is not a training run's directory; name "
-                             f"an empty or new directory")
+    entries = os.listdir(path) if os.path.isdir(path) else []
+    if entries and not any(name in entries for name in RUN_FILES):
+        raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. {sorted(entries)[0]!r}) but no "
+                         f"train_config.json, ckpt/ or main.log: not a training run's directory; name a new one")
 
 
 class RunLock:
-    """An exclusive flock on out_dir/.lock, held for the life of the run (the OS drops it when the process dies, so
-    kill -9 never leaves a stale lock). The holder writes its pid and host into the file for the error the next
-    run prints. flock works across nodes on NFS (Linux emulates it with POSIX locks) and on Lustre mounted with
-    -o flock."""
-    held = []  # the descriptors of this process's locks, until release_all
+    """An exclusive flock on out_dir/.lock for the life of the run; the OS drops it when the process dies, so kill -9
+    leaves no stale lock. flock works across nodes on NFS and on Lustre mounted with -o flock."""
+    held = []  # this process's lock descriptors, until release_all
 
     @classmethod
     def acquire(cls, out_dir):
@@ -312,20 +296,19 @@ class RunLock:
                                  f"wait for it to end, stop it, or choose another out_dir") from None
             raise
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)  # for the next run's error
         cls.held.append(fd)
 
     @classmethod
     def release_all(cls):
         while cls.held:
-            os.close(cls.held.pop())  # closing the only descriptor drops the flock
+            os.close(cls.held.pop())
 
 
 def move_old_logs(out_dir):
-    """Rename main.log / metrics.jsonl of an earlier run to NAME.K (the next free K) so a fresh run never mixes its
-    curves with them; return the messages saying so."""
+    """Rename an earlier run's main.log / metrics.jsonl to NAME.K, so a fresh run never mixes its curves with them."""
     moved = []
-    for name in RUN_LOGS:
+    for name in ("main.log", "metrics.jsonl"):
         path = os.path.join(out_dir, name)
         if os.path.exists(path):
             k = 1
@@ -338,31 +321,41 @@ def move_old_logs(out_dir):
 
 def os_error_message(e):
     """One line for an OSError: what failed on which path, and the way out."""
-    hints = {errno.ENOSPC: "free some space or choose another out_dir",
-             errno.EDQUOT: "free some space or choose another out_dir",
-             errno.EACCES: "choose a directory you can write to", errno.EPERM: "choose a directory you can write to",
-             errno.EROFS: "the filesystem is read-only; choose another directory",
-             errno.ENOTDIR: "a part of the path is a file, not a directory; choose another path",
-             errno.EEXIST: "a part of the path is a file, not a directory; choose another path",
-             errno.ENOENT: "check the path"}
-    where = e.filename if e.filename is not None else ""
-    text = f"{where}: {e.strerror or e}" if where else str(e)
-    hint = hints.get(e.errno)
-    return f"{text}; {hint}" if hint else text
+    space, write = "free some space or choose another out_dir", "choose a directory you can write to"
+    not_dir = "a part of the path is a file, not a directory; choose another path"
+    hints = {errno.ENOSPC: space, errno.EDQUOT: space, errno.EACCES: write, errno.EPERM: write,
+             errno.EROFS: "the filesystem is read-only; choose another directory", errno.ENOTDIR: not_dir,
+             errno.EEXIST: not_dir, errno.ENOENT: "check the path"}
+    text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else str(e)
+    return f"{text}; {hints[e.errno]}" if e.errno in hints else text
 
 
-def assert_finite(model, what, ckpt_root):
-    """Raise FloatingPointError on every rank when any rank's parameters hold NaN or inf, so that no checkpoint or
-    export ever holds them. Collective: every rank calls it (each checks its own shard)."""
-    params = dict(model.named_parameters())
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
-    finite = torch.stack([torch.isfinite(t.detach()).all() for t in local]).tolist()  # one device sync, not one each
-    bad = [name for name, ok in zip(params, finite) if not ok]
-    if any_rank(bad):
-        raise FloatingPointError(f"{what}: parameters hold NaN or inf ("
-                                 + (", ".join(bad[:3]) if bad else "on another rank")
-                                 + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
+def prepare_out_dir(cfg):
+    """Check and lock out_dir (global rank 0 locks for the whole run), remove interrupted checkpoint writes, write
+    train_config.json; return (ckpt_root, the newest usable checkpoint or None). A fresh run moves old logs aside."""
+    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
 
+    def work():
+        check_out_dir(cfg.out_dir)
+        os.makedirs(ckpt_root, exist_ok=True)
+        RunLock.acquire(cfg.out_dir)
+        for name in os.listdir(ckpt_root):
+            if name.endswith(".tmp"):  # ours: the lock says no other run is writing it
+                print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
+                shutil.rmtree(os.path.join(ckpt_root, name))
+        resume_path, messages = newest_usable_checkpoint(ckpt_root)
+        for message in messages + ([] if resume_path else move_old_logs(cfg.out_dir)):
+            print(message)
+        with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return resume_path
+
+    return ckpt_root, on_rank0(work)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints (model.py reads them: complete_checkpoints, newest_usable_checkpoint, load_model)
 
 def last_good_checkpoint(ckpt_root):
     """The sentence every stop for non-finite numbers ends with: where the run can be taken up again."""
@@ -370,42 +363,51 @@ def last_good_checkpoint(ckpt_root):
     return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
 
 
+def assert_finite(model, what, ckpt_root):
+    """Raise FloatingPointError on every rank when any rank's parameters hold NaN or inf, so that no checkpoint or
+    export ever holds them. Collective: each rank checks its own shard."""
+    params = dict(model.named_parameters())
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
+    finite = torch.stack([torch.isfinite(t.detach()).all() for t in local]).tolist()  # one device sync, not one each
+    bad = [name for name, ok in zip(params, finite) if not ok]
+    if any_rank(bad):
+        raise FloatingPointError(f"{what}: parameters hold NaN or inf (" + (", ".join(bad[:3]) or "on another rank")
+                                 + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
+
+
 def fsync_tree(path):
-    """fsync every file in directory `path`, then the directory (DCP already syncs the shards it writes, on every
-    node; this covers the rest and the directory entries). Returns {file name: size} for the marker."""
+    """fsync every file in directory `path`, then the directory; returns {file name: size} for the marker."""
     sizes = {}
     for name in sorted(os.listdir(path)):
-        file = os.path.join(path, name)
-        with open(file, "rb") as f:
+        with open(os.path.join(path, name), "rb") as f:
             os.fsync(f.fileno())
-        sizes[name] = os.path.getsize(file)
+        sizes[name] = os.path.getsize(os.path.join(path, name))
     fsync_dir(path)
     return sizes
 
 
 def checkpoint_write_error(e, path):
-    """An OSError for a failed checkpoint write: DCP wraps each rank's exception into a CheckpointException."""
-    failures = getattr(e, "failures", {}) or {}
-    for rank, failure in sorted(failures.items()):
+    """An OSError naming `path` for a failed checkpoint write (DCP wraps each rank's exception), or None."""
+    for rank, failure in sorted((getattr(e, "failures", None) or {}).items()):
         cause = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(cause, OSError):
-            return OSError(cause.errno, f"writing checkpoint {path} failed on rank {rank}: "
-                                        f"{cause.strerror or cause}", cause.filename)
+            return OSError(cause.errno, f"writing checkpoint {path} failed on rank {rank}: {cause.strerror or cause}",
+                           cause.filename)
     if isinstance(e, OSError):
         return OSError(e.errno, f"writing checkpoint {path} failed: {e.strerror or e}", e.filename)
     return None
 
 
-def save_checkpoint(ckpt_root, model, optimizer, train_state, keep, rank):
-    """Write a checkpoint into a temporary directory, fsync it, write the marker, publish it by renaming, then delete
-    all but the newest `keep` complete ones. Non-finite weights raise FloatingPointError instead; a failed write
-    raises OSError and leaves no directory that looks complete. Collective: every rank calls it."""
+def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
+    """Write ckpt_root/step_N.tmp (DCP shards from every rank, then rng.pt and train_state.json), fsync it, write the
+    marker, rename it to step_N, then keep only the newest `keep`. Non-finite weights or a failed write raise and
+    leave nothing that looks complete. Collective."""
     assert_finite(model, f"checkpoint at step {train_state['step']}", ckpt_root)
     final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
-    if broadcast_object(os.path.isfile(os.path.join(final, MARKER)) if rank == 0 else None):
+    if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
         return final  # this very state is already saved (a run resumed here and stopped at once)
-    tmp = final + ".tmp"
-    if rank == 0:
+    tmp, master = final + ".tmp", is_master()
+    if master:
         if os.path.exists(final):
             print(f"incomplete checkpoint {final} moved to {set_aside(final, 'incomplete')}")
         shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted write
@@ -414,7 +416,7 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep, rank):
     try:
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        if rank == 0:  # dcp.save returns on rank 0 after every rank's files are written
+        if master:  # dcp.save returns on rank 0 after every rank's files are written
             rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                        cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
             with atomic_write(os.path.join(tmp, "rng.pt")) as f:
@@ -427,49 +429,44 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep, rank):
             os.rename(tmp, final)
             fsync_dir(ckpt_root)
     except (Exception, CheckpointException) as e:
-        if rank == 0:
+        if master:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; it never held a marker
         error = checkpoint_write_error(e, final)
         if error is None:
             raise
         raise error from None
-    if rank == 0:
+    if master:
         for old in complete_checkpoints(ckpt_root)[:-keep]:
             shutil.rmtree(old)
     barrier()
     return final
 
 
-def restore_rng(ckpt_path):
-    # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all ranks
-    rng = torch.load(os.path.join(ckpt_path, "rng.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-
-
 def load_checkpoint(ckpt_path, model, optimizer):
-    """Load model, optimizer and RNG states in place (resharding onto this run's ranks); return train_state.json.
-    When any rank fails to read ckpt_path, every rank learns it (DCP's load is collective, so all must move on
-    together): it is renamed aside and the next older complete checkpoint of the same run is tried."""
+    """Load model, optimizer and RNG states in place (resharded onto this run's ranks); return train_state.json.
+    DCP's load is collective, so when any rank fails every rank moves on: the checkpoint is set aside and the next
+    older one of the run is tried."""
     older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
-    candidates = [ckpt_path] + broadcast_object(older)
-    for path in candidates:
+    for path in [ckpt_path] + broadcast_object(older):
         error = None
         try:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optim": optim_state}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            restore_rng(path)
+            # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all
+            rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            if rng["cuda"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
             train_state = read_train_state(path)
         except (Exception, CheckpointException) as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not any_rank(error is not None):
             return train_state
-        if rank_and_world_size()[0] == 0:
+        if is_master():
             print(f"skipping checkpoint {path}: it failed to load ({error or 'on another rank'}); kept as "
                   f"{set_aside(path, 'damaged')}")
         barrier()
@@ -477,13 +474,61 @@ def load_checkpoint(ckpt_path, model, optimizer):
                      f"*.damaged-*); start a fresh run in another out_dir")
 
 
-# -----------------------------------------------------------------------------
-# model
+def resume(resume_path, model, optimizer, cfg):
+    """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run."""
+    if resume_path is None:
+        return 0, 0
+    train_state = load_checkpoint(resume_path, model, optimizer)
+    step = train_state["step"]
+    saved_batch = train_state["config"]["global_batch_size"]
+    if saved_batch != cfg.global_batch_size and not cfg.eval_only:
+        # the data order and the lr schedule are counted in steps of the saved global batch
+        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {saved_batch}, the config now "
+                         f"says {cfg.global_batch_size}; resume with --global_batch_size={saved_batch} (any number "
+                         f"of ranks and any local_batch_size that divides it work), or start a new out_dir")
+    if cfg.max_steps is not None and step > cfg.max_steps:
+        raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
+    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
+        group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    return step, train_state["consumed_samples"]
 
-def starting_point(cfg, resume_path, master):
-    """(GPTConfig, init): the architecture, and where the first weights come from: ("checkpoint", path) to resume
-    or to start from a train_gpt2 run, ("hf", directory) for Hugging Face weights, ("seed", seed) for GPT-2's init.
-    cfg.padded_vocab_size applies to Hugging Face weights; a train_gpt2 checkpoint keeps its own."""
+
+def publish_hf(model, cfg):
+    """The final weights as a Hugging Face GPT-2 directory: written to a temporary directory, renamed to out_dir/hf.
+    An hf/ there is replaced only when it carries HF_MARKER; anything else is moved aside, never deleted."""
+    if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
+        model.reshard()
+    assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
+    t0 = time.perf_counter()
+    hf_dir = os.path.join(cfg.out_dir, "hf")
+    tmp = os.path.join(cfg.out_dir, f".hf.{broadcast_object(os.getpid())}.tmp")  # rank 0's name on every rank
+    export_hf(model, tmp)  # one tensor at a time gathered to rank 0, which writes
+    if is_master():
+        with atomic_write(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:
+            json.dump(dict(written_by="train_gpt2.py", step=cfg.max_steps), f)
+        old = None
+        if os.path.isdir(hf_dir):
+            ours = os.path.exists(os.path.join(hf_dir, HF_MARKER))
+            old = os.path.join(cfg.out_dir, f".hf.{os.getpid()}.old") if ours else \
+                f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(hf_dir, old)
+            if not ours:
+                print(f"{hf_dir} was not written by train_gpt2.py; moved to {old}")
+        os.rename(tmp, hf_dir)
+        fsync_dir(cfg.out_dir)
+        if old is not None and old.endswith(".old"):
+            shutil.rmtree(old)
+        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
+    barrier()
+
+
+# -----------------------------------------------------------------------------
+# model and optimizer
+
+def starting_point(cfg, resume_path):
+    """(GPTConfig, init): the architecture, and where the first weights come from: ("checkpoint", path) to resume or
+    to start from another run, ("hf", directory) for Hugging Face weights, ("seed", seed) for GPT-2's init.
+    cfg.padded_vocab_size applies to Hugging Face weights; a checkpoint keeps its own."""
     if resume_path is not None:
         model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
         if cfg.init_from is None:
@@ -501,18 +546,16 @@ def starting_point(cfg, resume_path, master):
     if cfg.init_from is None:
         return GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd), ("seed", cfg.seed)
-    if master:  # a hub id is downloaded once, by rank 0; the other ranks then find it in the cache
-        resolve_pretrained(cfg.init_from)
-    barrier()
+    on_rank0(lambda: resolve_pretrained(cfg.init_from))  # a hub id is downloaded once; the others find it cached
     directory, hf_config = resolve_pretrained(cfg.init_from)
     return dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size), ("hf", directory)
 
 
-def build_model(model_config, init, cfg, device, log):
-    """The model to train on `device`, built on the meta device so that no rank ever holds more than its share:
-    with a process group each block is compiled and sharded with FSDP2, and only this rank's shard is materialised.
-    Then each rank fills its own rows: GPT-2's init drawn from the seed (the same weights on any number of ranks),
-    or the rows it holds read from the Hugging Face files. A checkpoint fills the model later (load_checkpoint)."""
+def build_model(model_config, init, cfg, device):
+    """The model on `device`, built on the meta device so that no rank ever holds more than its share: under a
+    process group each block is compiled and sharded with FSDP2 and only this rank's shard is materialised. Each rank
+    then fills its own rows: GPT-2's init from the seed (the same weights on any number of ranks) or the rows it holds
+    read from the Hugging Face files. A checkpoint fills the model later (resume)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         model = GPT(model_config)
@@ -532,18 +575,17 @@ def build_model(model_config, init, cfg, device, log):
     kind, source = init
     if kind == "seed":
         init_sharded(model, source)
-    elif kind == "hf" and load_hf_sharded(model, source) == "full":
-        log(f"{source}: pytorch_model.bin is a pickle, which cannot be read in slices: rank 0 loaded it and sent "
-            f"each tensor to every rank")
+    elif kind == "hf" and load_hf_sharded(model, source) == "full" and is_master():
+        print(f"{source}: pytorch_model.bin is a pickle, which cannot be read in slices: rank 0 loaded it and sent "
+              f"each tensor to every rank")
     return model
 
 
 def memory_plan(model_config, cfg, world_size, device):
-    """What one rank will hold, estimated before the first step: fp32 parameters, gradients and AdamW's two
-    moments (sharded over the ranks by FSDP2), and the activations of one micro-batch kept for backward: about
-    34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash attention so no T x T scores), or
-    the block inputs only (2 x tokens x n_embd) with activation checkpointing; double in fp32. A warning names the
-    config keys to change when it will not fit in the device's free memory."""
+    """What one rank will hold, estimated before the first step: fp32 parameters, gradients and AdamW's two moments
+    (sharded over the ranks), and one micro-batch's activations kept for backward: about 34 x tokens x n_embd bytes
+    per layer in 16-bit (Korthikanti et al. 2022; flash attention, no T x T scores), or the block inputs only
+    (2 x tokens x n_embd) with activation checkpointing; double in fp32. Warns, naming the keys, when it won't fit."""
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(model_config).parameters())
     gib = 2**30
@@ -565,6 +607,15 @@ def memory_plan(model_config, cfg, world_size, device):
     return plan
 
 
+def build_optimizer(model, cfg, device):
+    """AdamW with weight decay on the 2-D parameters (matmul weights and embeddings) only, as GPT-2 recipes do."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device.type == "cuda")
+
+
 def lr_at(step, cfg):
     """llm.c's schedule: linear warmup (step 0 already gets lr / lr_warmup_steps), then cosine from lr to min_lr."""
     if step < cfg.lr_warmup_steps:
@@ -584,6 +635,47 @@ def peak_flops(device):
 # -----------------------------------------------------------------------------
 # data and evaluation
 
+def build_data(cfg, log):
+    """(train_data, val_data). Train: Megatron's GPTDataset samples in its shuffled order (None under eval_only);
+    max_steps None becomes one epoch. Validation: llm.c's windows of val_data_paths, or the first val_tokens of the
+    Megatron validation split of data_paths, in order; None when val_tokens is 0."""
+    train_data = None if cfg.eval_only else build_train_data(cfg, log)
+    val_data = None
+    if cfg.val_tokens and cfg.val_data_paths is not None:
+        val_data = LLMCValWindows(cfg.val_data_paths, cfg.seq_length, cfg.val_tokens)
+    elif cfg.val_tokens:
+        val_data = sequential_samples(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, split_index=1,
+                                      max_samples=cfg.val_tokens // cfg.seq_length)
+        if val_data is None:
+            log(f"no validation: split {cfg.split!r} gives the validation split no share")
+    if val_data is not None:
+        log(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
+            f"{cfg.val_data_paths or cfg.data_paths}")
+    return train_data, val_data
+
+
+def build_train_data(cfg, log):
+    """The train split. Megatron gives an unweighted list of several prefixes one epoch at most; past that, they are
+    weighted by their token counts (what a Megatron user writes as a blend), each repeated in whole epochs."""
+    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
+    common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0),
+                  cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
+    train_data, _, _ = build_gpt_datasets(cfg.data_paths, **common)
+    if train_data is None:
+        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
+    if cfg.max_steps is None:
+        cfg.max_steps = len(train_data) // cfg.global_batch_size
+        if cfg.max_steps < 1:
+            raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than one "
+                             f"global batch of {cfg.global_batch_size}")
+        log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
+    elif len(train_data) < num_samples:
+        log(f"{cfg.data_paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes "
+            f"are blended by token count, each repeated in whole epochs")
+        train_data, _, _ = build_gpt_datasets(token_weighted_blend(cfg.data_paths), **common)
+    return train_data
+
+
 def host_batch(samples, pin):
     """Dataset samples stacked into (tokens, labels) LongTensors in host memory, pinned for fast copies if `pin`."""
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]))
@@ -591,16 +683,14 @@ def host_batch(samples, pin):
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 
 
-def to_batch(samples, device):
-    """(tokens, labels) on `device`; on CUDA copied from pinned memory without waiting for the copy (the stream
-    orders it before the forward that reads it)."""
-    tokens, labels = host_batch(samples, pin=device.type == "cuda")
-    return tokens.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+def to_device(batch, device):
+    # from pinned memory the copy does not wait: the stream orders it before the forward that reads it
+    return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
 class Prefetcher:
     """Reads, stacks and pins the micro-batches of the next steps in a background thread while the current step
-    runs, in exactly the sampler's order. next() returns one step's list of (tokens, labels) on the device."""
+    runs, in the sampler's order. next() returns one step's list of (tokens, labels) on the device."""
 
     def __init__(self, dataset, sampler, grad_accum_steps, device, depth=2):
         self.device = device
@@ -609,9 +699,9 @@ class Prefetcher:
         self.thread.start()
 
     def produce(self, dataset, sampler, grad_accum_steps):
+        pin = self.device.type == "cuda"
         try:
             while True:
-                pin = self.device.type == "cuda"
                 self.queue.put([host_batch([dataset[i] for i in next(sampler)], pin) for _ in range(grad_accum_steps)])
         except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
             self.queue.put(e)
@@ -620,22 +710,22 @@ class Prefetcher:
         item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
-        return [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in item]
+        return [to_device(batch, self.device) for batch in item]
 
 
 @torch.no_grad()
 def validation_loss(model, val_data, batch_size, device, autocast):
     """Mean cross-entropy per token over every window of `val_data`, all ranks together: rank r scores windows
-    r, r + W, ...; token-weighted loss sums are all-reduced. Every rank runs the same number of forwards, since a
-    sharded model gathers its weights collectively in each one."""
-    rank, world_size = rank_and_world_size()
+    r, r + W, ...; token-weighted sums are all-reduced. Every rank runs the same number of forwards, since a sharded
+    model gathers its weights collectively in each one."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(val_data), world_size))
     num_batches = math.ceil(math.ceil(len(val_data) / world_size) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
     model.eval()
     for b in range(num_batches):
         indices = mine[b * batch_size:(b + 1) * batch_size]
-        tokens, labels = to_batch([val_data[i] for i in (indices or [0])], device)
+        tokens, labels = to_device(host_batch([val_data[i] for i in (indices or [0])], device.type == "cuda"), device)
         with autocast:
             _, loss = model(tokens, labels)
         if indices:
@@ -647,14 +737,58 @@ def validation_loss(model, val_data, batch_size, device, autocast):
     return (totals[0] / totals[1]).item()
 
 
+class Evaluator:
+    """Validation loss, HellaSwag and a sample at an evaluation step, before that step's update: s:0 is the model at
+    init (HellaSwag and samples only under eval_only), s:max_steps the final one. Every rank takes part: a sharded
+    model's forward is collective."""
+
+    def __init__(self, cfg, val_data, vocab_size, device, autocast_dtype, log):
+        self.cfg, self.val_data, self.device, self.autocast_dtype, self.log = cfg, val_data, device, autocast_dtype, log
+        self.sample_tokens = cfg.sample_tokens if vocab_size == VOCAB_SIZE else 0
+        if cfg.sample_tokens and not self.sample_tokens:
+            log(f"sample_tokens ignored: the vocabulary ({vocab_size} tokens) is not GPT-2's")
+        self.hellaswag = None
+        if cfg.hellaswag is not None:
+            if vocab_size != VOCAB_SIZE:
+                raise ValueError(f"config: hellaswag needs the GPT-2 vocabulary; the model has {vocab_size} tokens")
+            path = None if cfg.hellaswag == "download" else cfg.hellaswag
+            on_rank0(lambda: len(hellaswag.load_examples(path)))  # downloaded once, by rank 0
+            self.hellaswag = hellaswag.render_all(hellaswag.load_examples(path))  # tokenized once per run
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    def __call__(self, model, step):
+        cfg, log = self.cfg, self.log
+        if self.val_data is not None:
+            t0 = time.perf_counter()
+            val_loss = validation_loss(model, self.val_data, cfg.local_batch_size, self.device, self.autocast())
+            if not math.isfinite(val_loss):
+                raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped without saving "
+                                         f"this state")
+            log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
+                f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
+        if self.hellaswag is not None and (step > 0 or cfg.eval_only):
+            rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
+                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit)
+            log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
+                f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
+                step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
+        if self.sample_tokens and step > 0:
+            with self.autocast():
+                text = sample_texts(model, "", max_new_tokens=self.sample_tokens, seed=cfg.seed + step,
+                                    device=self.device)[0]
+            log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
+
+
 # -----------------------------------------------------------------------------
-# training
+# the training loop
 
 class StopRequest:
-    """Remembers SIGTERM/SIGINT (preemption, Ctrl-C) so the loop can checkpoint at the next step boundary and exit.
-    A second signal gets the previous handler: Ctrl-C twice interrupts at once. `received` keeps the number of the
-    latest signal in this process, so a stopped run exits 128 + signum (143 after SIGTERM) and a scheduler requeues
-    it; a run that finished exits 0 even if a signal came during its last step."""
+    """Remembers SIGTERM/SIGINT (preemption, Ctrl-C) so the loop can checkpoint at the next step and exit. A second
+    signal gets the previous handler: Ctrl-C twice interrupts at once. `received` keeps the latest signal number, so
+    a stopped run exits 128 + signum; a run that finished exits 0 even if a signal came during its last step."""
     received = None
 
     def __init__(self):
@@ -672,11 +806,10 @@ class StopRequest:
 
 
 class RunLog:
-    """On rank 0: a console line, a main.log line (llm.c's format, so llm.c's vislog reads it) and a metrics.jsonl
-    record (every metric); other ranks stay silent."""
+    """On rank 0: a console line, a main.log line (llm.c's format, read by its vislog) and a metrics.jsonl record."""
 
-    def __init__(self, out_dir, master):
-        self.out_dir, self.master = out_dir, master
+    def __init__(self, out_dir):
+        self.out_dir, self.master = out_dir, is_master()
 
     def __call__(self, text, main_log=None, **metrics):
         if not self.master:
@@ -691,165 +824,9 @@ class RunLog:
                 f.write(json.dumps(dict(metrics, time=time.time())) + "\n")
 
 
-def prepare_out_dir(cfg, master):
-    """Check and lock out_dir, create out_dir/ckpt, write train_config.json, and return (ckpt_root, the newest
-    usable checkpoint or None). Rank 0 does the work and every rank raises its error, if any. The lock (see run_dir)
-    is taken by global rank 0 only: it stands for the whole run, and the other ranks, on this node or others, belong
-    to that same run. A temporary checkpoint directory is what a write interrupted before its rename leaves; it is
-    never resumed from. Damaged checkpoints are renamed aside; a fresh run moves an earlier run's logs aside."""
-    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
-    error = resume_path = None
-    if master:
-        try:
-            check_out_dir(cfg.out_dir)
-            os.makedirs(ckpt_root, exist_ok=True)
-            RunLock.acquire(cfg.out_dir)
-            for name in os.listdir(ckpt_root):
-                if name.endswith(".tmp"):  # ours: the lock says no other run is writing it
-                    print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
-                    shutil.rmtree(os.path.join(ckpt_root, name))
-            resume_path, messages = newest_usable_checkpoint(ckpt_root)
-            if resume_path is None:
-                messages += move_old_logs(cfg.out_dir)
-            for message in messages:
-                print(message)
-            with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
-                json.dump(dataclasses.asdict(cfg), f, indent=2)
-            print(json.dumps(dataclasses.asdict(cfg), indent=2))
-        except (ValueError, OSError) as e:
-            error = e
-    error, resume_path = broadcast_object((error, resume_path))
-    if error is not None:
-        raise error
-    return ckpt_root, resume_path
-
-
-def build_data(cfg, log, master):
-    """(train_data, val_data). Train: Megatron's GPTDataset samples in its shuffled order (None under eval_only);
-    max_steps None becomes one epoch. Validation: llm.c's windows of val_data_paths, or the first val_tokens of
-    the Megatron validation split of data_paths, in order; None when val_tokens is 0."""
-    train_data = None
-    if not cfg.eval_only:
-        train_data = build_train_data(cfg, log)
-    val_data = None
-    if cfg.val_tokens and cfg.val_data_paths is not None:
-        val_data = LLMCValWindows(cfg.val_data_paths, cfg.seq_length, cfg.val_tokens)
-    elif cfg.val_tokens:
-        val_data = sequential_samples(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split, split_index=1,
-                                      max_samples=cfg.val_tokens // cfg.seq_length)
-        if val_data is None:
-            log(f"no validation: split {cfg.split!r} gives the validation split no share")
-    if val_data is not None and master:
-        print(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
-              f"{cfg.val_data_paths or cfg.data_paths}")
-    return train_data, val_data
-
-
-def build_train_data(cfg, log):
-    """The train split. An unweighted list of several prefixes is one epoch at most in Megatron; past that, the
-    prefixes are weighted by their token counts (what a Megatron user writes as a blend), which repeats each one
-    in whole shuffled epochs."""
-    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
-    cache = dict(cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
-    common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0), **cache)
-    train_data, _, _ = build_gpt_datasets(cfg.data_paths, **common)
-    if train_data is None:
-        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
-    if cfg.max_steps is None:
-        cfg.max_steps = len(train_data) // cfg.global_batch_size
-        if cfg.max_steps < 1:
-            raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than one "
-                             f"global batch of {cfg.global_batch_size}")
-        log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
-    elif len(train_data) < num_samples:
-        log(f"{cfg.data_paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes "
-            f"are blended by token count, each repeated in whole epochs")
-        train_data, _, _ = build_gpt_datasets(token_weighted_blend(cfg.data_paths), **common)
-    return train_data
-
-
-def build_optimizer(model, cfg, device):
-    """AdamW with weight decay on the 2-D parameters (matmul weights and embeddings) only, as GPT-2 recipes do."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device.type == "cuda")
-
-
-def resume(resume_path, model, optimizer, cfg):
-    """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run."""
-    if resume_path is None:
-        return 0, 0
-    train_state = load_checkpoint(resume_path, model, optimizer)
-    step, consumed_samples = train_state["step"], train_state["consumed_samples"]
-    saved_batch = train_state.get("config", {}).get("global_batch_size", cfg.global_batch_size)
-    if saved_batch != cfg.global_batch_size and not cfg.eval_only:
-        # the data order and the lr schedule are counted in steps of the saved global batch
-        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {saved_batch}, the config now "
-                         f"says {cfg.global_batch_size}; resume with --global_batch_size={saved_batch} (any number "
-                         f"of ranks and any local_batch_size that divides it work), or start a new out_dir")
-    if cfg.max_steps is not None and step > cfg.max_steps:
-        raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
-    for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
-        group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
-    return step, consumed_samples
-
-
-def load_hellaswag(cfg, master):
-    """The HellaSwag examples (downloaded once, by rank 0, before the other ranks read the cached file), or None."""
-    if cfg.hellaswag is None:
-        return None
-    path = None if cfg.hellaswag == "download" else cfg.hellaswag
-    examples = hellaswag.load_examples(path) if master else None
-    barrier()
-    examples = examples if master else hellaswag.load_examples(path)
-    return hellaswag.render_all(examples)  # tokenized once per run, not at every evaluation
-
-
-def evaluate(model, step, cfg, ctx):
-    """Validation loss, HellaSwag and a sample at an evaluation step, before that step's update: s:0 is the model at
-    init (HellaSwag and samples only under eval_only), s:max_steps the final one. Every rank takes part: a sharded
-    model's forward is collective."""
-    log = ctx.log
-    if ctx.val_data is not None:
-        t0 = time.perf_counter()
-        val_loss = validation_loss(model, ctx.val_data, cfg.local_batch_size, ctx.device, ctx.autocast)
-        if not math.isfinite(val_loss):
-            raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped without saving this "
-                                     f"state")
-        log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
-            f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
-    if ctx.hellaswag_examples is not None and (step > 0 or cfg.eval_only):
-        result = hellaswag.evaluate(model, ctx.hellaswag_examples, device=ctx.device, rank=ctx.rank,
-                                    world_size=ctx.world_size, autocast_dtype=ctx.autocast_dtype,
-                                    limit=cfg.hellaswag_limit)
-        log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
-            f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
-            step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
-    if ctx.sample_tokens and step > 0:
-        with ctx.autocast:
-            text = sample_texts(model, "", max_new_tokens=ctx.sample_tokens, seed=cfg.seed + step,
-                                device=ctx.device)[0]
-        log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
-
-
-def forward_backward(model, batches, ctx):
-    """Gradients of the mean loss over `batches` (one per micro-step) in the model; returns the summed loss."""
-    loss_sum = torch.zeros((), device=ctx.device)
-    for micro_step, (tokens, labels) in enumerate(batches):
-        if ctx.distributed:  # reduce-scatter gradients once per step, not once per micro-batch
-            model.set_requires_gradient_sync(micro_step == len(batches) - 1)
-        with ctx.autocast:
-            _, loss = model(tokens, labels)
-        (loss / len(batches)).backward()
-        loss_sum += loss.detach()
-    return loss_sum
-
-
 def reset_step_peak_memory(device):
-    """Start measuring this step's peak memory: the CUDA allocator's high-water mark, or on the CPU the kernel's
-    peak resident set size (VmHWM; writing 5 to clear_refs resets it, Linux >= 4.0)."""
+    """Start this step's peak memory: the CUDA allocator's high-water mark, or the CPU's peak resident set size
+    (VmHWM; writing 5 to clear_refs resets it, Linux >= 4.0)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -861,8 +838,7 @@ def reset_step_peak_memory(device):
 
 
 def step_peak_memory(device):
-    """(GiB, label) of this step's peak since reset_step_peak_memory. Host-side bookkeeping: never waits for the
-    device."""
+    """(GiB, label) of this step's peak since reset_step_peak_memory; never waits for the device."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
     try:
@@ -874,17 +850,19 @@ def step_peak_memory(device):
 
 
 class StepLog:
-    """The numbers of each step (loss, grad norm, the stop flag) stay on the device, copied asynchronously to the
-    host, and are read once per log_every_steps steps, one step late, so the host never waits for the device in a
-    step: the next step is already queued when a step's numbers are read. Step times come from CUDA events (or the
-    host clock on the CPU, where every op has finished when it returns), so they measure the device's work."""
+    """Each step's loss, grad norm and stop flag stay on the device, are copied to the host asynchronously and read
+    once per log_every_steps steps, one step late, so the host never waits for the device in a step. Step times come
+    from CUDA events (or the host clock on the CPU, where every op has finished when it returns)."""
 
-    def __init__(self, cfg, ctx):
-        self.cfg, self.ctx = cfg, ctx
+    def __init__(self, cfg, log, device, flops_per_token, ckpt_root):
+        self.cfg, self.log, self.device, self.ckpt_root = cfg, log, device, ckpt_root
+        self.cuda = device.type == "cuda"
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        peak = peak_flops(device)
+        self.mfu_scale = flops_per_token / (peak * self.world_size) if peak else None
         self.pending = []  # (step, lr, host stats, start, end, peak GiB): start/end are CUDA events or host times
-        self.stop_flag = torch.zeros((), device=ctx.device)
+        self.stop_flag = torch.zeros((), device=device)
         self.run_peak_gib = 0.0
-        self.cuda = ctx.device.type == "cuda"
 
     def clock(self):
         if not self.cuda:
@@ -894,20 +872,20 @@ class StepLog:
         return event
 
     def start_step(self):
-        reset_step_peak_memory(self.ctx.device)
+        reset_step_peak_memory(self.device)
         self.start = self.clock()
 
-    def end_step(self, step, lr, loss_sum, norm, stop):
+    def end_step(self, step, lr, loss, norm, stop):
         """Queue the step's numbers: all-reduced over ranks, copied to the host without waiting."""
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's norm is a DTensor
         self.stop_flag.fill_(float(stop.signal is not None))
-        stats = torch.stack([loss_sum / self.ctx.grad_accum_steps, norm.float(), self.stop_flag])
-        if self.ctx.distributed:
+        stats = torch.stack([loss, norm.float(), self.stop_flag])
+        if dist.is_initialized():
             dist.all_reduce(stats)
         host = torch.empty(3, pin_memory=self.cuda)
         host.copy_(stats, non_blocking=True)
         end = self.clock()
-        peak_gib, self.memory_label = step_peak_memory(self.ctx.device)
+        peak_gib, self.memory_label = step_peak_memory(self.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
 
@@ -915,89 +893,67 @@ class StepLog:
         return (step + 1) % self.cfg.log_every_steps == 0
 
     def flush(self, keep_last=True):
-        """Log the pending steps (all but the newest when keep_last, so that one keeps running); returns whether
-        any rank was asked to stop. A non-finite loss or grad norm raises: the loop never checkpoints after it."""
+        """Log the pending steps (all but the newest when keep_last, so that one keeps running); return whether any
+        rank was asked to stop. A non-finite loss or grad norm raises: the loop never checkpoints after it."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_last else (self.pending, [])
         stop_requested = False
         for step, lr, host, start, end, peak_gib in ready:
             if self.cuda:
                 end.synchronize()  # this step's device work, the copy of its numbers included, is done
-            train_loss, norm, stop_count = (host / torch.tensor([self.ctx.world_size, self.ctx.world_size, 1])).tolist()
+            train_loss, norm, stop_count = (host / torch.tensor([self.world_size, self.world_size, 1])).tolist()
             stop_requested |= stop_count > 0
             if not (math.isfinite(train_loss) and math.isfinite(norm)):
                 raise FloatingPointError(
                     f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped without saving "
-                    f"this state. {last_good_checkpoint(self.ctx.ckpt_root)}")
-            self.log_step(step, lr, train_loss, norm, start.elapsed_time(end) / 1000 if self.cuda else end - start,
-                          peak_gib)
+                    f"this state. {last_good_checkpoint(self.ckpt_root)}")
+            dt = start.elapsed_time(end) / 1000 if self.cuda else end - start
+            self.log_step(step, lr, train_loss, norm, dt, peak_gib)
         return stop_requested
 
     def log_step(self, step, lr, train_loss, norm, dt, peak_gib):
-        cfg, ctx = self.cfg, self.ctx
-        tokens_per_s = ctx.tokens_per_step / dt
-        mfu = tokens_per_s * ctx.flops_per_token / (ctx.peak_flops * ctx.world_size) if ctx.peak_flops else None
-        ctx.log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
-                f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
-                + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
-                + f" | {self.memory_label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
-                f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
-                step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000, tokens_per_s=tokens_per_s,
-                mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
-                consumed_samples=(step + 1) * cfg.global_batch_size)
+        cfg = self.cfg
+        tokens_per_s = cfg.global_batch_size * cfg.seq_length / dt
+        mfu = tokens_per_s * self.mfu_scale if self.mfu_scale else None
+        self.log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
+                 f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
+                 + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
+                 + f" | {self.memory_label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
+                 f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
+                 step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000,
+                 tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
+                 consumed_samples=(step + 1) * cfg.global_batch_size)
 
 
-def publish_hf(model, cfg, master):
-    """The final weights for transformers (and everything else that reads Hugging Face GPT-2 directories), written to
-    a temporary directory and renamed to out_dir/hf. An hf/ there is replaced only when it carries HF_MARKER (or is
-    an export of the code before markers: config.json and model.safetensors alone); anything else is moved aside."""
-    if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
-        model.reshard()
-    assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
-    t0 = time.perf_counter()
-    hf_dir = os.path.join(cfg.out_dir, "hf")
-    tmp = os.path.join(cfg.out_dir, f".hf.{broadcast_object(os.getpid())}.tmp")  # rank 0's name on every rank
-    export_hf(model, tmp)  # one tensor at a time gathered to rank 0, which writes
-    if master:
-        with atomic_write(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:
-            json.dump(dict(written_by="train_gpt2.py", step=cfg.max_steps), f)
-        old = None
-        if os.path.isdir(hf_dir):
-            entries = set(os.listdir(hf_dir))
-            ours = HF_MARKER in entries or entries <= {"config.json", "model.safetensors", "generation_config.json"}
-            old = os.path.join(cfg.out_dir, f".hf.{os.getpid()}.old") if ours else \
-                f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.rename(hf_dir, old)
-            if not ours:
-                print(f"{hf_dir} was not written by train_gpt2.py; moved to {old}")
-        os.rename(tmp, hf_dir)
-        fsync_dir(cfg.out_dir)
-        if old is not None and old.endswith(".old"):
-            shutil.rmtree(old)
-        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
-    barrier()
+def forward_backward(model, batches, autocast):
+    """Gradients of the mean loss over `batches` (one per micro-step) in the model; returns that mean, on device."""
+    loss_sum = torch.zeros((), device=batches[0][0].device)
+    for micro_step, (tokens, labels) in enumerate(batches):
+        if dist.is_initialized():  # reduce-scatter gradients once per step, not once per micro-batch
+            model.set_requires_gradient_sync(micro_step == len(batches) - 1)
+        with autocast:
+            _, loss = model(tokens, labels)
+        (loss / len(batches)).backward()
+        loss_sum += loss.detach()
+    return loss_sum / len(batches)
 
 
-def setup(cfg, rank, world_size, device):
-    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation
-    inputs. Returns (model, optimizer, step, consumed_samples, ctx)."""
-    master = rank == 0
+def setup(cfg, world_size, device):
+    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation.
+    Returns (model, optimizer, step, consumed_samples, train_data, evaluate, step_log, log)."""
+    master = is_master()
     if cfg.global_batch_size % (cfg.local_batch_size * world_size) and not cfg.eval_only:
         raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
                          f"{cfg.local_batch_size} x world size {world_size} = {cfg.local_batch_size * world_size}")
-    log = RunLog(cfg.out_dir, master)
-    ckpt_root, resume_path = prepare_out_dir(cfg, master)
-    train_data, val_data = build_data(cfg, log, master)
-    grad_accum_steps = max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))
-    if master:
-        print(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation {grad_accum_steps}; "
-              + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
-    model_config, init = starting_point(cfg, resume_path, master)
+    log = RunLog(cfg.out_dir)
+    ckpt_root, resume_path = prepare_out_dir(cfg)
+    train_data, val_data = build_data(cfg, log)
+    log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
+        f"{max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))}; "
+        + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
+    model_config, init = starting_point(cfg, resume_path)
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's context "
                          f"({model_config.block_size} positions)")
-    if cfg.hellaswag is not None and model_config.vocab_size != VOCAB_SIZE:
-        raise ValueError(f"config: hellaswag needs the GPT-2 vocabulary; the model has {model_config.vocab_size} "
-                         f"tokens")
     # a token id outside the vocabulary would be a device-side assert on a GPU: check each dataset's range once
     checked = [cfg.val_data_paths] if cfg.val_data_paths and cfg.val_tokens else []
     if train_data is not None or (val_data is not None and not cfg.val_data_paths):
@@ -1006,64 +962,57 @@ def setup(cfg, rank, world_size, device):
                       cache_dir=cfg.index_mapping_dir or os.path.join(cfg.out_dir, "index_cache"))
     if master:
         print(memory_plan(model_config, cfg, world_size, device))
-    model = build_model(model_config, init, cfg, device, log)
+    model = build_model(model_config, init, cfg, device)
     if init[0] == "checkpoint" and resume_path is None:  # init_from another run: its weights, a fresh optimizer
         load_weights(init[1], model)
     optimizer = build_optimizer(model, cfg, device)
-    # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
-    autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     step, consumed_samples = resume(resume_path, model, optimizer, cfg)
+    # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
+    autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
+    evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, autocast_dtype, log)
+    flops_per_token = model.flops_per_token(cfg.seq_length)
     peak = peak_flops(device)
-    ctx = types.SimpleNamespace(
-        rank=rank, world_size=world_size, device=device, master=master, distributed=dist.is_initialized(), log=log,
-        ckpt_root=ckpt_root, model_config=model_config, train_data=train_data, val_data=val_data,
-        grad_accum_steps=grad_accum_steps, tokens_per_step=cfg.global_batch_size * cfg.seq_length,
-        autocast_dtype=autocast_dtype,
-        autocast=torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None),
-        flops_per_token=model.flops_per_token(cfg.seq_length), peak_flops=peak,
-        hellaswag_examples=load_hellaswag(cfg, master),
-        sample_tokens=cfg.sample_tokens if model_config.vocab_size == VOCAB_SIZE else 0)
-    if master:
-        print(f"model: {model.num_params(non_embedding=False):,} parameters ({model.num_params():,} non-embedding), "
-              f"{ctx.flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
-              + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
-    if cfg.sample_tokens and not ctx.sample_tokens:
-        log(f"sample_tokens ignored: the vocabulary ({model_config.vocab_size} tokens) is not GPT-2's")
-    return model, optimizer, step, consumed_samples, ctx
+    log(f"model: {model.num_params(non_embedding=False):,} parameters ({model.num_params():,} non-embedding), "
+        f"{flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
+        + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
+    step_log = StepLog(cfg, log, device, flops_per_token, ckpt_root)
+    return model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root
 
 
 def train(cfg, rank, world_size, device):
-    model, optimizer, step, consumed_samples, ctx = setup(cfg, rank, world_size, device)
+    model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root = setup(cfg, world_size,
+                                                                                                device)
     if cfg.eval_only:
-        evaluate(model, step, cfg, ctx)
+        evaluate(model, step)
         return 0
+    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples, cfg.local_batch_size,
                                       rank, world_size))
-    batches = Prefetcher(ctx.train_data, sampler, ctx.grad_accum_steps, device)
-    step_log = StepLog(cfg, ctx)
+    batches = Prefetcher(train_data, sampler, grad_accum_steps, device)
+    autocast = evaluate.autocast()
     stop = StopRequest()
     try:
         for step in range(step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
             if step % cfg.val_every_steps == 0 or last_step:
                 step_log.flush(keep_last=False)
-                evaluate(model, step, cfg, ctx)
+                evaluate(model, step)
             if last_step:
                 break
 
             # one optimizer step over global_batch_size sequences; nothing here waits for the device
             step_log.start_step()
             lr = lr_at(step, cfg)
-            loss_sum = forward_backward(model, batches.next(), ctx)
+            loss = forward_backward(model, batches.next(), autocast)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            step_log.end_step(step, lr, loss_sum, norm, stop)
+            step_log.end_step(step, lr, loss, norm, stop)
 
             done = step + 1
             checkpoint_due = done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0)
@@ -1076,15 +1025,15 @@ def train(cfg, rank, world_size, device):
             if checkpoint_due or stop_requested:
                 t0 = time.perf_counter()
                 train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
-                                   model_config=dataclasses.asdict(ctx.model_config), config=dataclasses.asdict(cfg))
-                path = save_checkpoint(ctx.ckpt_root, model, optimizer, train_state, cfg.ckpt_keep, rank)
-                ctx.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+                                   model_config=dataclasses.asdict(model.config), config=dataclasses.asdict(cfg))
+                path = save_checkpoint(ckpt_root, model, optimizer, train_state, cfg.ckpt_keep)
+                step_log.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
             if stop_requested:  # exit 128 + signum (143 for SIGTERM, also on ranks that only heard of it)
-                ctx.log(f"stopped by a signal after step {done}; rerun the same command to resume")
+                step_log.log(f"stopped by a signal after step {done}; rerun the same command to resume")
                 return 128 + (StopRequest.received or signal.SIGTERM)
     finally:
         stop.restore()
-    publish_hf(model, cfg, ctx.master)
+    publish_hf(model, cfg)
     return 0
 
 
