@@ -11,19 +11,14 @@ The .idx file (little-endian, packed):
 and the .bin file is the tokens themselves. D counts a leading 0, so the file holds D - 1 documents. A document is one
 sequence unless the data was prepared with sentence splitting; GPT sampling works on sequences only.
 
-How megatron-core samples one split of one prefix (GPTDataset):
-    1. `split` ("969,30,1") cuts the prefix's sequences into three contiguous ranges, one per split.
-    2. The range is repeated for as many epochs as the requested number of samples needs, and shuffled
-       (document index). If the last epoch would be used for less than 80% it is shuffled on its own and comes last.
-    3. The shuffled token stream is cut into samples of seq_length + 1 tokens that share one token with the next
-       sample (sample index), so tokens and labels (tokens shifted by one) both have seq_length tokens.
-    4. The samples are shuffled (shuffle index), the short last epoch again on its own.
-A blend of prefixes draws from each in proportion to its weight (BlendedDataset).
+How megatron-core samples one split of one prefix (GPTDataset): `split` ("969,30,1") cuts the sequences into three
+contiguous ranges; a range is repeated for as many epochs as the samples asked need and shuffled (document index);
+the shuffled stream is cut into samples of seq_length + 1 tokens, each sharing one token with the next (sample
+index); the samples are shuffled (shuffle index). A last epoch used for less than 80% is shuffled on its own, both
+times. A blend of prefixes draws from each in proportion to its weight (BlendedDataset).
 
-Samples are dicts of int64 arrays {"tokens", "labels"}, equal to megatron-core's. Megatron also returns position ids
-and a loss mask; with its defaults (no EOD masking or position/attention resets, the last partial sample dropped),
-which is how this module always samples, those are arange(seq_length) and all ones, so they are left out.
-Command line, to inspect and check files:
+Samples are {"tokens", "labels"} int64 arrays, equal to megatron-core's; its position ids and loss mask are, with the
+defaults this module always samples with, arange(seq_length) and all ones, so they are left out. Command line:
 
     python indexed_dataset.py info   'data/processed_data_*_text_document'    # documents, sequences, tokens, dtype
     python indexed_dataset.py verify 'data/processed_data_*_text_document' --vocab-size 50257   # read every token
@@ -54,6 +49,11 @@ DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
 CHECK_BLOCK = 1 << 20  # sequences per step of the index checks: bounds their temporaries
+TOKENS_PER_STEP = 1 << 26  # tokens per step of the token-range pass: bounds its memory
+CACHE_FORMAT = 2  # bump when the cached arrays or their key change meaning (2: keyed by the .idx's size and mtime)
+# blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
+# handles at most SIDE_BY_SIDE_CELLS datasets x chunks, which keeps its arrays in the CPU cache
+CHUNK, WARM_UP, SIDE_BY_SIDE_CELLS = 512, 64, 1 << 17
 
 
 def _check_seq_length(seq_length):
@@ -61,9 +61,24 @@ def _check_seq_length(seq_length):
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
 
 
-def optimal_dtype(vocab_size):
-    """Megatron's token dtype for a vocabulary size: uint16 below 65500 ids (GPT-2), else int32."""
-    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+def _wrap(i, length):
+    """Sample i of `length` as a non-negative index, negative i counting from the end."""
+    if not -length <= i < length:
+        raise IndexError(f"sample {i} out of range for {length} samples")
+    return i % length
+
+
+def distributed():
+    """(rank, world size) of the initialized torch.distributed group, else (0, 1); never imports torch itself."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def log(message):
+    if distributed()[0] == 0:
+        print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -73,11 +88,8 @@ def optimal_dtype(vocab_size):
 class IndexedDataset:
     """Memory-mapped reader of `<path_prefix>.bin` + `<path_prefix>.idx`; `ds[i]` is sequence i's tokens.
 
-    Opening checks the header against the file sizes, and with `check` (the default) the whole index against itself
-    and the .bin (`check()`: one pass over the index, none over the tokens), so a damaged or mismatched pair fails
-    here, naming the file, instead of training on garbage. The returned arrays are read-only views into the memory
-    map, which stays open as long as any of them lives.
-    """
+    Opening checks the header against the file sizes and, with `check`, the whole index (see `check()`), so a damaged
+    or mismatched pair fails here, naming the file. `ds[i]` are read-only views into the memory map."""
 
     def __init__(self, path_prefix, check=True):
         self.path_prefix = str(path_prefix)
@@ -87,28 +99,23 @@ class IndexedDataset:
                 hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else ""
                 raise FileNotFoundError(f"{path}: no such file{hint}")
         self.idx_stat, self.bin_stat = os.stat(idx_path), os.stat(bin_path)  # they key the index cache
-        code, num_sequences, num_boundaries = _read_header(idx_path, self.idx_stat.st_size)
+        code, count, num_boundaries = _read_header(idx_path, self.idx_stat.st_size)
         self.dtype = np.dtype(DTYPES[code])
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        offset = HEADER.size
-        self.sequence_lengths = np.frombuffer(self._index, "<i4", num_sequences, offset)
-        offset += 4 * num_sequences
-        self.sequence_pointers = np.frombuffer(self._index, "<i8", num_sequences, offset)
-        offset += 8 * num_sequences
-        self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, offset)
-        if self.document_indices[0] != 0 or self.document_indices[-1] != num_sequences:
+        self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
+        self.sequence_pointers = np.frombuffer(self._index, "<i8", count, HEADER.size + 4 * count)
+        self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, HEADER.size + 12 * count)
+        if self.document_indices[0] != 0 or self.document_indices[-1] != count:
             raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} to "
-                             f"{self.document_indices[-1]}, not from 0 to the sequence count {num_sequences}")
+                             f"{self.document_indices[-1]}, not from 0 to the sequence count {count}")
         if check:
             self.check()
-        elif num_sequences:  # the .bin's size from the last sequence alone
-            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            self._check_bin_size(end)
-        else:
-            self._check_bin_size(0)
-        # numpy cannot map an empty file; an empty dataset has no tokens to map anyway
+        else:  # the .bin's size from the last sequence alone (0 without one)
+            last = count and int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            self._check_bin_size(last)
+        # every token of the .bin in file order; numpy cannot map an empty file, which has no tokens to map anyway
         size = self.bin_stat.st_size
-        self._tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.empty(0, self.dtype)
+        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.empty(0, self.dtype)
 
     def __getstate__(self):  # DataLoader workers reopen the files instead of pickling the mapped tokens
         return {"path_prefix": self.path_prefix}
@@ -119,21 +126,15 @@ class IndexedDataset:
     def __len__(self):
         return len(self.sequence_lengths)
 
-    def __getitem__(self, i):
-        return self.get(i)
-
     def get(self, i, offset=0, length=None):
         """`length` tokens (default: to the end) of sequence i, starting `offset` tokens into it."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sequence {i} out of range: {self.path_prefix} has {len(self)} sequences")
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + int(offset)
         length = int(self.sequence_lengths[i]) - int(offset) if length is None else int(length)
-        return self._tokens[start:start + length]
+        return self.tokens[start:start + length]
 
-    @property
-    def tokens(self):
-        """Every token of the .bin, memory-mapped, in file order."""
-        return self._tokens
+    __getitem__ = get
 
     @property
     def num_documents(self):
@@ -144,10 +145,9 @@ class IndexedDataset:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
     def check(self):
-        """Raise ValueError naming the file unless document boundaries never decrease, no length is negative, each
-        pointer is the running sum of the lengths before it in bytes of the dtype (a wrong dtype code breaks this),
-        and the .bin holds exactly every sequence. One pass over the index, read from the file in blocks rather than
-        through the map, so that its pages do not stay in this process's memory."""
+        """Raise ValueError naming the file unless boundaries never decrease, lengths are >= 0, each pointer is the sum
+        of the lengths before it and the .bin holds exactly every sequence. Reads the index in blocks, not via the map,
+        so that its pages do not stay in this process's memory."""
         idx_path, S, D = self.path_prefix + ".idx", len(self), len(self.document_indices)
         end = 0
         with open(idx_path, "rb") as f:
@@ -195,29 +195,27 @@ def _read_header(idx_path, idx_size):
                          f"not {INDEX_MAGIC!r}")
     if len(header) < HEADER.size:
         raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
-    _, version, code, num_sequences, num_boundaries = HEADER.unpack(header)
+    _, version, code, count, num_boundaries = HEADER.unpack(header)
     if version != 1:
         raise ValueError(f"{idx_path}: unsupported index version {version} (only version 1 exists)")
     if code not in DTYPES:
         raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
     if num_boundaries < 1:
         raise ValueError(f"{idx_path}: document count is 0; it must count at least the leading boundary 0")
-    expected = HEADER.size + 12 * num_sequences + 8 * num_boundaries
+    expected = HEADER.size + 12 * count + 8 * num_boundaries
+    counts = f"{count} sequences and {num_boundaries - 1} documents"
     if idx_size < expected:
-        raise ValueError(f"{idx_path}: truncated: its header announces {num_sequences} sequences and "
-                         f"{num_boundaries - 1} documents, which take {expected} bytes, but the file has {idx_size}")
-    if idx_size not in (expected, expected + num_sequences):  # + S: the per-sequence modes of multimodal data
+        raise ValueError(f"{idx_path}: truncated: its header announces {counts}, which take {expected} bytes, but the "
+                         f"file has {idx_size}")
+    if idx_size not in (expected, expected + count):  # + S: the per-sequence modes of multimodal data
         raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries; the header's "
-                         f"counts ({num_sequences} sequences, {num_boundaries - 1} documents) do not fit the file")
-    return code, num_sequences, num_boundaries
+                         f"counts ({counts}) do not fit the file")
+    return code, count, num_boundaries
 
 
 class IndexedDatasetBuilder:
-    """Writer of `<prefix>.bin` (tokens appended as documents are added) and `<prefix>.idx` (at `finalize`).
-
-    Output is byte-identical to megatron-core's IndexedDatasetBuilder. The .idx appears only when `finalize` has
-    written all of it, so an interrupted build leaves a .bin without an index, which no reader accepts.
-    """
+    """Writer of `<prefix>.bin` (as documents are added) and `<prefix>.idx` (at `finalize`), byte for byte as
+    megatron-core's; an interrupted build leaves a .bin without an index, which no reader accepts."""
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path = str(bin_path)
@@ -233,8 +231,8 @@ class IndexedDatasetBuilder:
         self.document_indices = array("q", [0])
 
     def add_document(self, tokens, lengths=None):
-        """Append one document: `tokens` (1-D integers), made of sequences of `lengths` tokens (default: one sequence
-        of all of them; an empty document adds no sequence, as Megatron's preprocess_data.py does)."""
+        """Append one document of 1-D `tokens` made of sequences of `lengths` tokens (default: one sequence, none
+        for an empty document, as Megatron's preprocess_data.py does)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"{self.bin_path}: a document must be a 1-D token array, got shape {tokens.shape}")
@@ -292,15 +290,12 @@ class IndexedDatasetBuilder:
 def resolve_blend(paths):
     """(prefixes, weights or None) for a prefix, a glob, or a Megatron blend list like ["30", p0, "70", p1].
 
-    A glob means every `.bin`/`.idx` pair it matches, sorted and unweighted, as NeMo AutoModel reads
-    "processed_data_*_text_document*"; a glob of prefixes ("processed_data_*_text_document") works too. A blend list
-    of odd length, or whose even entries are not numbers, is a list of prefixes; otherwise it alternates weight,
-    prefix (megatron's get_blend_from_list)."""
+    A glob gives the sorted prefixes of the .bin/.idx files it matches ("processed_data_*_text_document*", as NeMo
+    AutoModel reads it) or of the prefixes it matches. A list of odd length or without numbers lists prefixes."""
     if isinstance(paths, (str, os.PathLike)):
         paths = str(paths)
         if not glob.has_magic(paths):
             return [paths], None
-        # "processed_data_*_text_document*" matches the files; "processed_data_*_text_document" names prefixes
         matches = glob.glob(paths) + glob.glob(paths + ".bin") + glob.glob(paths + ".idx")
         prefixes = sorted({m[:-4] for m in matches if m.endswith((".bin", ".idx"))})
         if not prefixes:
@@ -310,24 +305,20 @@ def resolve_blend(paths):
     entries = [str(p) for p in paths]
     if not entries:
         raise ValueError("the blend list is empty")
-    if len(entries) % 2 == 1:
-        return [p.strip() for p in entries], None
-    raw_weights = entries[0::2]
-    numeric = []
-    for w in raw_weights:
+    weights = []
+    for w in entries[0::2]:
         try:
-            numeric.append(float(w))
+            weights.append(float(w))
         except ValueError:
-            numeric.append(None)
-    if all(w is None for w in numeric):
+            weights.append(None)
+    if len(entries) % 2 == 1 or all(w is None for w in weights):
         return [p.strip() for p in entries], None
-    if any(w is None for w in numeric):
-        bad = raw_weights[numeric.index(None)]
-        raise ValueError(f"blend list {entries}: weight {bad!r} is not a number; a blend list alternates "
-                         f"weight, prefix (or lists only prefixes)")
-    if not all(math.isfinite(w) and w > 0 for w in numeric):
-        raise ValueError(f"blend list {entries}: weights must be positive finite numbers, got {raw_weights}")
-    return [p.strip() for p in entries[1::2]], numeric
+    if None in weights:
+        raise ValueError(f"blend list {entries}: weight {entries[2 * weights.index(None)]!r} is not a number; a "
+                         f"blend list alternates weight, prefix (or lists only prefixes)")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"blend list {entries}: weights must be positive finite numbers, got {entries[0::2]}")
+    return [p.strip() for p in entries[1::2]], weights
 
 
 def normalize(weights):
@@ -361,14 +352,10 @@ def split_range(num_sequences, bookends):
     start, end = bookends
     return int(round(start * float(num_sequences))), int(round(end * float(num_sequences)))
 
-def token_weighted_blend(paths):
-    """The Megatron blend list [str(tokens of p0), p0, str(tokens of p1), p1, ...] of the prefixes `paths` names.
 
-    megatron-core blends an unweighted list of several prefixes one epoch of each, never more: sizes beyond are cut
-    to one epoch. A Megatron user who needs more gives weights; weighting each prefix by its token count keeps the
-    mixture of one epoch, and any number of samples can then be asked (each prefix repeated in whole epochs).
-    build_gpt_datasets(token_weighted_blend(paths), sizes=...) gives megatron-core's samples for that blend list.
-    """
+def token_weighted_blend(paths):
+    """The blend list [str(tokens of p0), p0, ...] of the prefixes `paths` names: megatron-core blends an unweighted
+    list one epoch of each at most, while this mixture of one epoch can be asked for any number of samples."""
     prefixes, weights = resolve_blend(paths)
     if weights is not None:
         raise ValueError(f"{paths}: already weighted; token_weighted_blend weights a list of prefixes")
@@ -382,42 +369,34 @@ def token_weighted_blend(paths):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# GPTDataset indices
+# GPTDataset and BlendedDataset indices
 
 
 def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
-    """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) for sequences [begin, end).
-
-    `num_samples` None means one epoch; otherwise as many epochs as `num_samples` samples need (the result usually has
-    more samples, since whole epochs are built). Needs at least one token in the range.
-    """
+    """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) for sequences [begin, end): whole
+    epochs, as many as `num_samples` need (None: one)."""
     extra = int(add_extra_token)
     tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
     if tokens_per_epoch == 0:
         raise ValueError(f"sequences [{begin}, {end}) hold no tokens to sample from")
-    if num_samples is None:
-        num_epochs = 1
-    else:
-        num_epochs = max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
+    num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
     separate_final_epoch = False
     if num_epochs > 1:
         samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
         samples_per_epoch = (tokens_per_epoch - extra) // seq_length
         separate_final_epoch = num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
 
-    # one RandomState, drawn in this order: document shuffle(s), then sample shuffle(s)
-    rng = np.random.RandomState(seed)
+    rng = np.random.RandomState(seed)  # drawn in this order: document shuffle(s), then sample shuffle(s)
+
+    def shuffled(values):
+        rng.shuffle(values)
+        return values
+
     sequences = np.arange(begin, end, dtype=np.int32)
-
-    def shuffled_epochs(count):
-        document_index = np.tile(sequences, count)
-        rng.shuffle(document_index)
-        return document_index
-
     if separate_final_epoch:
-        document_index = np.concatenate([shuffled_epochs(num_epochs - 1), shuffled_epochs(1)])
+        document_index = np.concatenate([shuffled(np.tile(sequences, num_epochs - 1)), shuffled(sequences.copy())])
     else:
-        document_index = shuffled_epochs(num_epochs)
+        document_index = shuffled(np.tile(sequences, num_epochs))
 
     total_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
     int32_fits = max(len(document_index), int(sequence_lengths.max())) <= np.iinfo(np.int32).max
@@ -425,32 +404,19 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     sample_index = _sample_index(range_lengths[document_index - begin], seq_length, total_samples, extra,
                                  np.int32 if int32_fits else np.int64)
 
-    shuffle_dtype = np.uint32 if total_samples < np.iinfo(np.uint32).max - 1 else np.int64
-
-    def shuffled_range(start, stop):
-        samples = np.arange(start, stop, dtype=shuffle_dtype)
-        rng.shuffle(samples)
-        return samples
-
+    samples = np.arange(total_samples, dtype=np.uint32 if total_samples < np.iinfo(np.uint32).max - 1 else np.int64)
     if separate_final_epoch:
-        shuffle_index = np.concatenate([shuffled_range(0, samples_before_final_epoch),
-                                        shuffled_range(samples_before_final_epoch, total_samples)])
+        shuffle_index = np.concatenate([shuffled(samples[:samples_before_final_epoch]),
+                                        shuffled(samples[samples_before_final_epoch:])])
     else:
-        shuffle_index = shuffled_range(0, total_samples)
+        shuffle_index = shuffled(samples)
     return document_index, sample_index, shuffle_index
 
 
 def _sample_index(sizes, seq_length, num_samples, extra, dtype):
-    """Row k = (position in the document index, token offset in that sequence) where sample k starts, given the
-    `sizes` of the document index's sequences.
-
-    Megatron's C++ walks the documents sample by sample. Sample k starts at token k * seq_length of the shuffled
-    stream, and the walk leaves row k in the sequence holding the previous sample's last token, k * seq_length +
-    extra - 1: the last sequence starting at or before it (so empty sequences are stepped over, and a sample that ends
-    exactly at a sequence's end gives (that sequence, its length - extra)). Sequence j is that sequence from row
-    ceil((start_j - extra + 1) / seq_length) on, so row k's sequence is the number of sequences whose rows begin at
-    or before k, minus one: a running count.
-    """
+    """Rows (position in the document index, token offset in that sequence) where each sample starts, computed at once
+    instead of by Megatron's C++ walk: row k lies in the last sequence starting at or before token k * seq_length +
+    extra - 1 (empty ones are stepped over), i.e. the count of sequences whose first row is <= k, minus one."""
     starts = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1], dtype=np.int64, out=starts[1:])
     first_rows = starts + (seq_length - extra)
@@ -469,28 +435,14 @@ def _sample_index(sizes, seq_length, num_samples, extra, dtype):
     return sample_index
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Blending indices
-
-
-# blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
-# handles at most SIDE_BY_SIDE_CELLS datasets x chunks, which keeps its arrays in the CPU cache
-CHUNK, WARM_UP, SIDE_BY_SIDE_CELLS = 512, 64, 1 << 17
-
-
 def blending_indices(weights, size=None):
     """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64).
 
-    With `size`: `size` draws where step s takes the dataset d maximising weights[d] * max(s, 1) - draws[d] (the
-    first on ties), in float64 exactly as megatron's C++ does. Without: `weights` are integer sample counts, which
-    are drawn exactly (a dataset drops out once used up), with weights = counts / sum(counts).
-
-    The greedy is sequential and 10M Python steps are too slow, so it runs in chunks of steps side by side, one numpy
-    operation advancing every chunk by a step. Each chunk starts from a guess of the draws before its first step:
-    weights * step rounded by largest remainder, WARM_UP steps earlier, then the greedy run up to the chunk (it
-    forgets where it started within a few dozen steps). A chunk whose start differs from where the chunk before it
-    really ended is run again from there, until none differs, so the result is exact whatever the guesses.
-    """
+    With `size`: step s draws the dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, float64 as in
+    megatron's C++). Without: `weights` are integer counts, drawn exactly (a dataset drops out once used up).
+    The greedy is sequential, so chunks of it run side by side, one numpy operation per step of all. Each chunk starts
+    from a guess (weights * step by largest remainder, then WARM_UP greedy steps) and is rerun from where the chunk
+    before it really ended until none differs, so the result is exact whatever the guesses."""
     if size is None:
         quotas = np.asarray(weights, dtype=np.int64)
         size = int(quotas.sum())
@@ -528,15 +480,14 @@ def _largest_remainder(ideal, totals):
 
 
 def _greedy(weights, quotas, first_steps, draws, steps, record=None):
-    """The draws after running the blending greedy for `steps` steps from each row of `draws` (the draws before
-    step `first_steps[row]`). With record = (dataset_index, dataset_sample_index, rows), step t of row i is written to
-    column t of row rows[i] of both."""
+    """The draws after `steps` greedy steps from each row of `draws` (those before step `first_steps[row]`); with
+    record = (dataset_index, dataset_sample_index, rows), row i's step t goes to column t of row rows[i] of both."""
     num_datasets = len(weights)
     weight_column = weights[:, None]
     quota_column = None if quotas is None else quotas[:, None]
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
     end_draws = np.empty_like(draws)
-    per_group = max(1, SIDE_BY_SIDE_CELLS // num_datasets)  # keeps each operation's arrays in the CPU cache
+    per_group = max(1, SIDE_BY_SIDE_CELLS // num_datasets)
     for group_start in range(0, len(draws), per_group):
         group = slice(group_start, group_start + per_group)
         chunks = len(draws[group])
@@ -582,20 +533,16 @@ def _greedy(weights, quotas, first_steps, draws, steps, record=None):
 # The index cache
 
 
-CACHE_FORMAT = 2  # bump when the cached arrays or their key change meaning (2: keyed by the .idx's size and mtime)
-
-
 def cached(cache_dir, name, key, build, write):
-    """The arrays `build()` returns, kept in `cache_dir` as `{hash}-{name}-{array}.npy` under a hash of `key`.
+    """The arrays `build()` returns, kept in `cache_dir` as `{hash of key}-{name}-{array}.npy`.
 
-    `key` holds every parameter and each source .idx's path, size and mtime, so new data or settings miss. The
-    description `{hash}-{name}.json`, written last, records the key and each array's dtype, shape and sha256. A load
-    checks the key, the dtypes and shapes and the file sizes (cheap); a cache failing any is rebuilt. Reading every
-    byte would cost more than the load itself, so the checksums are checked only by `indexed_dataset.py verify-cache`.
-    """
+    `key` holds every parameter and each source .idx's path, size and mtime. The description `{hash}-{name}.json`,
+    written last, records the key and each array's dtype, shape and sha256; a load checks all but the sha256 (reading
+    every byte would cost more than the load: `indexed_dataset.py verify-cache` does) and rebuilds what fails."""
     if cache_dir is None:
         return build()
-    base = os.path.join(cache_dir, f"{cache_digest(key)}-{name}")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    base = os.path.join(cache_dir, f"{digest}-{name}")
     if os.path.exists(base + ".json"):
         try:
             return _load_cached(base, key)
@@ -613,10 +560,6 @@ def cached(cache_dir, name, key, build, write):
         with atomic_write(base + ".json", "w") as f:
             json.dump(description, f, indent=1)
     return arrays
-
-
-def cache_digest(key):
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _load_cached(base, key):
@@ -643,10 +586,8 @@ def source_key(dataset):
 
 
 def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
-    """(a directory per prefix, one for the blends): `cache_dir` if given; else beside the data, where megatron-core
-    keeps its GPTDataset indices (`<prefix>/cache/GPTDataset_indices`; it keeps no blend, ours go beside the first
-    prefix); else, where that cannot be written, `fallback_cache_dir`; else None (built in memory). `blended`: whether
-    the blends need one."""
+    """(a directory per prefix, one for the blends if `blended`): `cache_dir`; else beside the data as megatron-core
+    keeps them (the blends beside the first prefix); where that is read-only, `fallback_cache_dir` (None: in memory)."""
     if cache_dir is not None:
         return [cache_dir] * len(prefixes), cache_dir
 
@@ -669,31 +610,13 @@ def _writable(path):
     return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
-def distributed():
-    """(rank, world size) of the initialized torch.distributed group, else (0, 1). Never imports torch itself:
-    a process that has not imported it has no process group."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def log(message):
-    if distributed()[0] == 0:
-        print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Datasets
 
 
 class GPTDataset:
-    """megatron-core's GPTDataset over the sequences [begin, end) of one IndexedDataset.
-
-    `ds[i]` -> {"tokens", "labels"}: int64 arrays of seq_length. With `add_extra_token` (megatron's default) a sample
-    reads seq_length + 1 tokens and labels are tokens shifted by one. Without it a sample reads seq_length tokens and
-    the last label, which megatron pads and masks out of the loss, is -100 (ignored by the loss).
-    """
+    """megatron-core's GPTDataset over the sequences [begin, end) of one IndexedDataset. Without `add_extra_token` a
+    sample reads seq_length tokens and the last label, which megatron pads and masks out, is -100."""
 
     def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
                  split="train", cache_dir=None, write_cache=True):
@@ -708,7 +631,7 @@ class GPTDataset:
                 dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
                 add_extra_token=add_extra_token)
             log(f"{dataset.path_prefix}: {split} indices, {len(shuffle_index)} samples of {seq_length} tokens from "
-                 f"{len(document_index)} sequences, built in {time.time() - t0:.2f}s")
+                f"{len(document_index)} sequences, built in {time.time() - t0:.2f}s")
             return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
         arrays = cached(cache_dir, f"GPTDataset-{split}", key, build, write_cache)
@@ -720,9 +643,7 @@ class GPTDataset:
         return len(self.shuffle_index)
 
     def __getitem__(self, i):
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        j = self.shuffle_index[i]
+        j = self.shuffle_index[_wrap(i, len(self))]
         first, first_offset = self.sample_index[j]
         last, last_offset = self.sample_index[j + 1]
         get, documents = self.dataset.get, self.document_index
@@ -743,9 +664,7 @@ class GPTDataset:
 
 class BlendedDataset:
     """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`.
-
-    With `size`, `weights` (floats) are normalized (again, as megatron does) and `size` samples are drawn; without,
-    `weights` are integer counts, each drawn exactly."""
+    With `size`, float `weights` are normalized (again, as megatron does); without, they are exact integer counts."""
 
     def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, write_cache=True):
         self.datasets = datasets
@@ -760,7 +679,7 @@ class BlendedDataset:
             draws = sum((np.bincount(dataset_index[i:i + (1 << 20)], minlength=len(datasets))  # bounded temporaries
                          for i in range(0, len(dataset_index), 1 << 20)), np.zeros(len(datasets), np.int64))
             log(f"{split} blend of {len(datasets)} datasets, {len(dataset_index)} samples, built in "
-                 f"{time.time() - t0:.2f}s")
+                f"{time.time() - t0:.2f}s")
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index, "draws": draws}
 
         arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build, write_cache)
@@ -775,26 +694,20 @@ class BlendedDataset:
         return len(self.dataset_index)
 
     def __getitem__(self, i):
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i = _wrap(i, len(self))
         return self.datasets[self.dataset_index[i]][self.dataset_sample_index[i]]
 
 
 def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
                        fallback_cache_dir=None):
     """(train, valid, test) as megatron-core's BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...).build() makes
-    them; each is None when that split has no samples (a zero ratio in `split`, or nothing in it and no size asked).
+    them; each None when that split has no samples (a zero ratio, or nothing in it and no size asked).
 
-    paths: a prefix, a glob (its sorted prefixes, unweighted) or a Megatron blend list ["30", p0, "70", p1].
-      An unweighted list of several prefixes is one epoch of each at most, as in megatron; for more, weight them
-      (token_weighted_blend).
-    sizes: the number of samples wanted per split; None = one epoch of it. A split is built in whole epochs, so it
-      usually holds more. A weighted blend needs a size for every split with a non-zero ratio.
-    cache_dir: where the indices are kept between runs. None: beside the data as megatron-core keeps them
-      (`<prefix>/cache/GPTDataset_indices`), or in `fallback_cache_dir` where that is not writable (or nowhere if
-      that is None too). Under torch.distributed, rank 0 builds and writes them while the other ranks wait, then
-      they load them (or raise if rank 0 failed).
-    """
+    paths: a prefix, a glob (its sorted prefixes, unweighted) or a Megatron blend list ["30", p0, "70", p1]. An
+      unweighted list of several prefixes is one epoch of each at most, as in megatron (token_weighted_blend: more).
+    sizes: samples per split, None = one epoch; built in whole epochs, so usually more. A weighted blend needs a size
+      for each split with a non-zero ratio. cache_dir, fallback_cache_dir: where the indices are kept (cache_dirs);
+      under torch.distributed, rank 0 builds and writes them while the others wait, then load them."""
     _check_seq_length(seq_length)
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
@@ -817,43 +730,34 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
             _check_once(dataset, directory, write_cache)
         options = dict(seq_length=seq_length, seed=seed, write_cache=write_cache, split_string=split)
         if weights is None and len(prefixes) == 1:
-            return [_gpt_split(datasets[0], matrix, i, sizes[i], cache_dir=dirs[0], **options) for i in range(3)]
-        return [_blend_split(datasets, weights, matrix, i, sizes[i], dirs, blend_dir, **options) for i in range(3)]
+            return tuple(_gpt_split(datasets[0], matrix, i, sizes[i], cache_dir=dirs[0], **options) for i in range(3))
+        return tuple(_blend_split(datasets, weights, matrix, i, sizes[i], dirs, blend_dir, **options) for i in range(3))
 
     rank, world_size = distributed()
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
-        return tuple(build(write_cache=True))
+        return build(write_cache=True)
     import torch.distributed as dist  # a process group exists, so torch is already imported
 
-    # rank 0 builds and writes while the others wait; they learn whether it failed, so nobody waits forever
+    # rank 0 builds and writes first, then tells the others whether it failed, so that none waits forever
+    failure = [None]
     if rank == 0:
         try:
-            result, failure = build(write_cache=True), None
+            result = build(write_cache=True)
         except Exception as error:
-            result, failure = None, error
-        dist.broadcast_object_list([None if failure is None else f"{type(failure).__name__}: {failure}"], src=0)
-        if failure is not None:
-            raise failure
-    else:
-        failure = [None]
-        dist.broadcast_object_list(failure, src=0)
-        if failure[0] is not None:
-            raise RuntimeError(f"rank 0 could not build the datasets: {failure[0]}")
-        result = build(write_cache=False)
-    return tuple(result)
+            failure[0] = f"{type(error).__name__}: {error}"
+            dist.broadcast_object_list(failure, src=0)
+            raise
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise RuntimeError(f"rank 0 could not build the datasets: {failure[0]}")
+    return result if rank == 0 else build(write_cache=False)
 
 
 def _check_once(dataset, cache_dir, write):
-    """dataset.check(), remembered in the index cache for these very files (their paths, sizes and mtimes): a warm
-    start skips the pass over the index as it skips rebuilding the indices, which makes it as cheap as megatron's."""
+    """dataset.check(), remembered in the index cache for these very files, so a warm start skips it."""
     key = {"format": CACHE_FORMAT, "class": "IndexCheck", "source": source_key(dataset),
            "bin": [dataset.bin_stat.st_size, dataset.bin_stat.st_mtime_ns]}
-
-    def check():
-        dataset.check()
-        return {}  # nothing to keep but the fact
-
-    cached(cache_dir, "IndexedDataset-checked", key, check, write)
+    cached(cache_dir, "IndexedDataset-checked", key, lambda: dataset.check() or {}, write)
 
 
 def _blend_split(datasets, weights, matrix, i, size, dirs, blend_dir, *, split_string, **options):
@@ -873,7 +777,7 @@ def _blend_split(datasets, weights, matrix, i, size, dirs, blend_dir, *, split_s
         blend_size = None if size is None else min(size, sum(blend_weights))
         if size is not None and blend_size < size:
             log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, fewer than "
-                 f"the {size} asked (token_weighted_blend gives a blend that can be repeated)")
+                f"the {size} asked (token_weighted_blend gives a blend that can be repeated)")
     if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
         return None
     for ds, part in zip(datasets, parts):
@@ -889,8 +793,7 @@ def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
     if matrix[i] is None:
         return None
     begin, end = split_range(len(dataset), matrix[i])
-    tokens = int(dataset.sequence_lengths[begin:end].sum(dtype=np.int64))
-    if tokens == 0:
+    if not dataset.sequence_lengths[begin:end].any():
         if num_samples:  # megatron-core loops forever here
             raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split_string!r} of {len(dataset)} "
                              f"sequences: [{begin}, {end})) has no tokens, but {num_samples} samples were asked of it")
@@ -900,20 +803,18 @@ def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Validation: windows of a token stream, in order
+# Validation: windows of a token stream, in order, and the training sampler
 
 
 class TokenWindows:
-    """Windows of a token stream in order: window k is stream[k*T : k*T + T + 1], returned as {"tokens": its first T,
-    "labels": its last T} (int64), so consecutive windows share one token, as llm.c's loader reads.
+    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T : k*T + T + 1], as
+    {"tokens": its first T, "labels": its last T}: consecutive windows share one token, as llm.c's loader reads."""
 
-    pieces: [(dataset, sequence ids), ...] that make the stream, in order; a dataset needs only sequence_lengths and
-    get(i, offset, length)."""
-
-    def __init__(self, pieces, seq_length, length):
+    def __init__(self, pieces, seq_length, length, lead=()):
         self.pieces, self.seq_length, self.length = pieces, seq_length, length
+        self.lead = np.asarray(lead, dtype=np.int64)
         self.piece_starts = []  # token offsets in the stream of each piece's sequences, plus its end
-        total = 0
+        total = len(self.lead)
         for dataset, sequences in pieces:
             starts = np.empty(len(sequences) + 1, dtype=np.int64)
             starts[0] = total
@@ -927,11 +828,9 @@ class TokenWindows:
         return self.length
 
     def __getitem__(self, i):
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        i %= len(self)
+        i = _wrap(i, len(self))
         start, stop = i * self.seq_length, i * self.seq_length + self.seq_length + 1
-        parts = []
+        parts = [self.lead[start:stop]]
         for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
             if starts[-1] <= start or starts[0] >= stop:
                 continue
@@ -944,42 +843,27 @@ class TokenWindows:
         return {"tokens": text[:-1], "labels": text[1:]}
 
 
-class Tokens:
-    """A few tokens posing as a one-sequence dataset, to lead a TokenWindows stream."""
-
-    def __init__(self, tokens):
-        self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.sequence_lengths = np.array([len(self.tokens)], dtype=np.int64)
-
-    def get(self, i, offset=0, length=None):
-        return self.tokens[offset:None if length is None else offset + length]
-
-
 class LLMCValWindows(TokenWindows):
-    """llm.c's validation batches: the stream [eot] + every document of `path_prefix` (a prefix or glob: its sorted
-    prefixes), in file order, cut into num_tokens // seq_length windows as TokenWindows describes. llm.c's shards
-    put the EOT before each document and ours after it, so this stream is llm.c's val shard (plus our last EOT)."""
+    """llm.c's validation batches: num_tokens // seq_length windows of [eot] + every document of `path_prefix` (a
+    prefix or glob) in file order. llm.c puts the EOT before each document and we after, so this is its val shard."""
 
     def __init__(self, path_prefix, seq_length, num_tokens, eot=EOT):
         _check_seq_length(seq_length)
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         prefixes = resolve_blend(path_prefix)[0]
-        pieces = [(Tokens([eot]), np.arange(1))]
-        pieces += [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
+        pieces = [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
         windows = int(num_tokens) // int(seq_length)
-        super().__init__(pieces, int(seq_length), windows)
-        if self.num_tokens < windows * seq_length + 1:
+        super().__init__(pieces, int(seq_length), windows, lead=[eot])
+        need = windows * seq_length + 1
+        if self.num_tokens < need:
             raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds {self.num_tokens} tokens "
-                             f"(with the leading EOT), fewer than the {windows * seq_length + 1} that {windows} "
-                             f"windows of {seq_length} need (num_tokens {num_tokens})")
+                             f"with the leading EOT, fewer than the {need} that {windows} windows of {seq_length} need")
 
 
 def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
-    """The validation view of one split: its sequences (prefix order, then sequence order; blend weights ignored)
-    as one stream cut into windows of seq_length + 1 tokens, in order (TokenWindows).
-
-    None when the split has a zero ratio; a ValueError when it holds less than one window."""
+    """The validation view of one split: its sequences in order (blend weights ignored) cut into TokenWindows; None
+    when the split has a zero ratio."""
     if split_index not in (0, 1, 2):
         raise ValueError(f"split_index must be 0 (train), 1 (valid) or 2 (test), got {split_index!r}")
     _check_seq_length(seq_length)
@@ -1001,12 +885,9 @@ def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, ma
 
 
 class PretrainingSampler:
-    """Micro-batches of dataset indices for one rank, in order, resumable (megatron's MegatronPretrainingSampler).
-
-    Global chunk k is [consumed + k*mbs*W, consumed + (k+1)*mbs*W) and rank r takes its r-th slice of mbs indices;
-    an incomplete last chunk is dropped. A step with gradient accumulation consumes mbs*W*accum samples, so
-    restarting from `consumed_samples`, on any world size, continues from the same global position.
-    Usable as a DataLoader batch_sampler.
+    """Micro-batches of dataset indices for one rank, as megatron's MegatronPretrainingSampler: global chunk k is
+    [consumed + k*mbs*W, consumed + (k+1)*mbs*W), rank r takes its r-th mbs, an incomplete last chunk is dropped.
+    So a restart from `consumed_samples`, on any world size, continues from the same place. A DataLoader batch_sampler.
     """
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, rank, world_size):
@@ -1032,17 +913,13 @@ class PretrainingSampler:
 # Token ranges and the command line
 
 
-TOKENS_PER_STEP = 1 << 26  # tokens read at a time by the range pass: bounds its memory
-
-
 def token_range(dataset, cache_dir=None):
-    """(smallest, largest) token id of a dataset (an IndexedDataset or a prefix), or (None, None) if it has no
-    tokens. Computed in one chunked pass over the .bin and kept in `<prefix>.stats.json`; where the dataset's
-    directory is read-only, in `cache_dir` (when given), else computed every time."""
+    """(smallest, largest) token id of a dataset (an IndexedDataset or a prefix), (None, None) without tokens; kept in
+    `<prefix>.stats.json`, or in `cache_dir` where the data is read-only, so only the first call reads the .bin."""
     prefix = dataset.path_prefix if isinstance(dataset, IndexedDataset) else dataset
     try:
-        key = {name: [os.stat(prefix + suffix).st_size, os.stat(prefix + suffix).st_mtime_ns]
-               for name, suffix in (("bin", ".bin"), ("idx", ".idx"))}
+        stats = {name: os.stat(f"{prefix}.{name}") for name in ("bin", "idx")}
+        key = {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
     except OSError:  # missing files: opening the dataset names them
         key = None
     path = _stats_path(prefix, cache_dir)
@@ -1053,9 +930,8 @@ def token_range(dataset, cache_dir=None):
             return stats["min"], stats["max"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent, unreadable or stale: compute it
-    # only a cache miss opens the dataset (and checks its index): a warm start reads two stat()s and a small file
-    ds = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(prefix)
-    low, high = _scan_range(ds)
+    # only a miss opens the dataset (and checks its index): a warm start reads two stat()s and a small file
+    low, high = _scan_range(dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(prefix))
     if path is not None and key is not None:
         try:
             with atomic_write(path, "w") as f:
@@ -1065,25 +941,16 @@ def token_range(dataset, cache_dir=None):
     return low, high
 
 
-def max_token_id(dataset, cache_dir=None):
-    """The largest token id of a dataset (an IndexedDataset or a prefix); None if it has no tokens."""
-    return token_range(dataset, cache_dir)[1]
-
-
 def check_token_range(paths, vocab_size, cache_dir=None):
-    """Raise ValueError naming the .bin if any dataset of `paths` (a prefix, a glob, a blend list, or a list of
-    IndexedDatasets) holds a token id outside [0, vocab_size). Cheap after the first call (token_range)."""
-    if isinstance(paths, (list, tuple)) and paths and all(isinstance(p, IndexedDataset) for p in paths):
-        datasets = list(paths)
-    else:
-        datasets = resolve_blend(paths)[0]
-    for dataset in datasets:
-        low, high = token_range(dataset, cache_dir)
-        name = (dataset.path_prefix if isinstance(dataset, IndexedDataset) else dataset) + ".bin"
+    """Raise ValueError naming the .bin if a dataset of `paths` (a prefix, glob or list) holds a token id outside
+    [0, vocab_size). Cheap after the first call (token_range)."""
+    for prefix in resolve_blend(paths)[0]:
+        low, high = token_range(prefix, cache_dir)
         if high is not None and high >= vocab_size:
-            raise ValueError(f"token id {high} in {name} is outside the model's vocabulary (vocab_size {vocab_size})")
+            raise ValueError(f"token id {high} in {prefix}.bin is outside the model's vocabulary "
+                             f"(vocab_size {vocab_size})")
         if low is not None and low < 0:
-            raise ValueError(f"token id {low} in {name} is negative: outside the model's vocabulary "
+            raise ValueError(f"token id {low} in {prefix}.bin is negative: outside the model's vocabulary "
                              f"(vocab_size {vocab_size})")
 
 
@@ -1110,10 +977,6 @@ def _scan_range(ds):
     return low, high
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Command line
-
-
 def info(paths):
     """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
     prefixes = _cli_prefixes(paths)
@@ -1134,8 +997,7 @@ def info(paths):
 
 
 def verify(paths, vocab_size=None):
-    """Check every prefix end to end: opening it (the index against itself and the .bin's size), then every token
-    (below `vocab_size` when given). Returns the list of problems (empty if all is well)."""
+    """Open every prefix (checking its index) and read every token (below `vocab_size` when given); the problems."""
     problems = []
     for prefix in _cli_prefixes(paths):
         try:
@@ -1153,9 +1015,8 @@ def verify(paths, vocab_size=None):
 
 
 def verify_cache(cache_dir):
-    """Check every entry of an index cache directory byte for byte against the sha256 its description recorded
-    (loading checks only sizes, shapes and keys). Returns the list of problems; a damaged entry should be deleted,
-    and is then rebuilt by the next run."""
+    """Check every entry of an index cache byte for byte against its recorded sha256, which loading does not; the
+    problems (delete a damaged entry: the next run rebuilds it)."""
     descriptions = sorted(glob.glob(os.path.join(cache_dir, "*.json")))
     if not descriptions:
         raise FileNotFoundError(f"{cache_dir}: no index cache entries (*.json) here")
@@ -1177,10 +1038,8 @@ def verify_cache(cache_dir):
 
 def _cli_prefixes(paths):
     """Prefixes from the command line: one prefix or quoted glob, or the files an unquoted glob expanded to."""
-    if len(paths) == 1:
-        path = paths[0]
-        return resolve_blend(path[:-4] if path.endswith((".bin", ".idx")) else path)[0]
-    return sorted({p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths})
+    paths = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths]
+    return resolve_blend(paths[0])[0] if len(paths) == 1 else sorted(set(paths))
 
 
 def main(argv=None):

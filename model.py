@@ -4,19 +4,18 @@ References:
 1) OpenAI's GPT-2 release: https://github.com/openai/gpt-2/blob/master/src/model.py
 2) Hugging Face's implementation: transformers/models/gpt2/modeling_gpt2.py
 
-Hugging Face GPT-2 files load and export here too (whole, or one FSDP2 shard at a time), so transformers,
-lm-eval-harness and vLLM use what we train; and `load_model` reads anything a user may name: a hub id, an HF
-directory, a train_gpt2.py run or one of its checkpoints. This file needs no other file of the project.
+It also reads and writes Hugging Face GPT-2 files (whole, or one FSDP2 shard at a time), so transformers,
+lm-eval-harness and vLLM use what we train, and `load_model` reads a hub id, an HF directory, or a train_gpt2.py run
+or one of its checkpoints. This file needs no other file of the project.
 """
 import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
 import time
 import warnings
-from dataclasses import dataclass
-from functools import partial
 from types import SimpleNamespace
 
 import huggingface_hub
@@ -33,7 +32,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-@dataclass
+@dataclasses.dataclass
 class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 50257
@@ -101,10 +100,9 @@ LOSS_CHUNK_ROWS = 1024
 
 
 def _loss_chunks(x, weight, targets, chunk_size, with_grads):
-    """(summed loss, grad_x, grad_weight) of the mean cross-entropy of the logits x @ weight.T, chunk by chunk.
-    The matmuls run in the dtype autocast (or the inputs) give them; log-sum-exp and softmax run in fp32. Gradients
-    (softmax - one-hot, over the count of non-ignored targets) are taken here, in the forward, so no chunk's logits
-    outlive it; with_grads=False skips them (validation, sampling). grad_weight accumulates in fp32."""
+    """(mean loss, grad_x, grad_weight) of cross-entropy on the logits x @ weight.T, chunk by chunk, log-sum-exp and
+    softmax in fp32. The gradients (softmax - one-hot, over the count of valid targets) are taken here, in the
+    forward, so no chunk's logits outlive it; with_grads=False skips them (validation, sampling)."""
     # cast once, not per chunk and per matmul as autocast would (it caches casts of leaf parameters only)
     device_type = x.device.type
     autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
@@ -151,10 +149,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(x, weight, targets, chunk_size=None):
-    """The loss of a linear output layer: mean F.cross_entropy(x @ weight.T, targets, ignore_index=-100) in fp32
-    for x (rows, C), weight (vocab, C), targets (rows,), never materialising the full logits. chunk_size rows
-    (default LOSS_CHUNK_ROWS) are processed at a time. Unlike F.cross_entropy, a batch whose targets are all ignored
-    gives loss 0 and zero gradients instead of nan."""
+    """Mean F.cross_entropy(x @ weight.T, targets, ignore_index=-100) in fp32 for x (rows, C), weight (vocab, C),
+    targets (rows,), chunk_size rows (default LOSS_CHUNK_ROWS) at a time, never the full logits. A batch whose
+    targets are all ignored gives loss 0 and zero gradients, where F.cross_entropy gives nan."""
     chunk_size = chunk_size or LOSS_CHUNK_ROWS
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return ChunkedLinearCrossEntropy.apply(x, weight, targets, chunk_size)
@@ -175,18 +172,16 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
-        # recompute each block's activations in the backward instead of keeping them (torch.utils.checkpoint): less
-        # memory for bigger models or batches, about a third more compute. A switch, not a config field: checkpoints
-        # and exported weights are the same either way.
+        # recompute each block's activations in the backward (less memory, about a third more compute); a switch,
+        # not a config field, because checkpoints and exported weights are the same either way
         self.activation_checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self):
-        """GPT-2 init in place: normal(0, 0.02) weights, the two residual projections per block scaled down by
-        1/sqrt(2 * n_layer), zero biases, unit LayerNorms. Deterministic for torch's RNG state; the padded vocabulary
-        rows are zero, so from the same RNG state a padded model gets (and trains) exactly the numbers of an unpadded
-        one. GPT(config) calls it; call it again after building on the meta device and to_empty()."""
+        """GPT-2 init in place, deterministic for torch's RNG state: normal(0, 0.02), residual projections scaled by
+        1/sqrt(2 * n_layer), zero biases, unit LayerNorms. Padded vocabulary rows are zero, so a padded model gets
+        (and trains) exactly the numbers of an unpadded one. Call it again after building on meta and to_empty()."""
         # to_empty() after building on the meta device unties the two; tie them again before drawing anything
         if self.lm_head.weight is not self.transformer.wte.weight:
             self.lm_head.weight = self.transformer.wte.weight
@@ -205,9 +200,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def num_params(self, non_embedding=True):
-        """Parameters of the model, counting the tied wte/lm_head once and the real vocabulary rows only (padding
-        is a speed trick, not part of the model). non_embedding=True leaves out the position embeddings (wpe);
-        the token embeddings stay in because they are also the output layer."""
+        """Parameters as transformers counts them: the tied wte/lm_head once, real vocabulary rows only;
+        non_embedding=True leaves out wpe (wte stays: it is also the output layer)."""
         n = sum(p.numel() for p in self.parameters())
         n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
         if non_embedding:
@@ -215,11 +209,9 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len=None):
-        """Training (forward + backward) FLOPs per token in llm.c's convention (train_gpt2.cu, gpt2_estimate_mfu),
-        so MFU compares with llm.c's: 6*N + 6*L*C*T, N = every parameter as llm.c counts them (wpe and the padded
-        vocabulary rows included, the tied wte/lm_head once), L layers, C = n_embd, T = seq_len (default
-        block_size); 6*L*C*T is causal attention (half of the T x T square). About 0.80e9 for GPT-2 124M (vocab
-        padded to 50304) at T=1024."""
+        """Training FLOPs per token as llm.c's gpt2_estimate_mfu counts them, so MFU compares with llm.c's: 6*N (every
+        parameter, wpe and padded rows included, the tied weight once) + 6*L*C*T (causal attention), T = seq_len or
+        block_size. About 0.80e9 for GPT-2 124M (vocab padded to 50304) at T=1024."""
         cfg = self.config
         T = seq_len or cfg.block_size
         n = sum(p.numel() for p in self.parameters())  # parameters() lists the tied weight once
@@ -246,8 +238,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Extend the LongTensor idx (B, T) by max_new_tokens sampled tokens. temperature 0 (or top_k=1) picks the
-        most likely token; the context is cropped to the last block_size tokens. Call model.eval() first."""
+        """Extend idx (B, T) by max_new_tokens sampled tokens, the context cropped to block_size; temperature 0 (or
+        top_k=1) is greedy. Call model.eval() first."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
@@ -267,37 +259,28 @@ class GPT(nn.Module):
         return idx
 
 
-# ----------------------------------------------------------------------------- GPT-2 init, one shard at a time
-
 @torch.no_grad()
 def init_sharded(model, seed):
-    """The weights of `torch.manual_seed(seed); model.init_weights()` on a full model on the CPU, bit for bit, for a
-    plain or FSDP2-sharded GPT on any device and any number of ranks, never the full model: init_weights itself runs,
-    on a stand-in whose parameters are full CPU tensors handed out one at a time (two exist for a moment, the one
-    drawn and the one before), and each rank keeps its own rows of each. Every rank draws every number (the
-    generator cannot skip ahead): that costs time, not memory. torch's global RNG state is left as it was."""
+    """`torch.manual_seed(seed); model.init_weights()` of a full CPU model, bit for bit, for a plain or FSDP2 GPT on
+    any device and number of ranks, never holding the full model. torch's global RNG state is left as it was."""
     if not isinstance(model.transformer.wte.weight, DTensor):
         model.lm_head.weight = model.transformer.wte.weight  # as init_weights ties a model that to_empty() untied
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
-        GPT.init_weights(_OneParameterAtATime(model))
 
-
-class _OneParameterAtATime:
-    """A stand-in for a GPT in GPT.init_weights: named_parameters() hands out each parameter of `model` as a full
-    CPU tensor and, once init_weights has moved on to the next one, copies this rank's block of it into `model`."""
-
-    def __init__(self, model):
-        self.model, self.config = model, model.config
-        tied = SimpleNamespace(weight=None)
-        self.lm_head, self.transformer = tied, SimpleNamespace(wte=tied)  # init_weights' tie check finds them tied
-
-    def named_parameters(self):
-        for name, p in self.model.named_parameters():
+    def named_parameters():
+        # each parameter as a full CPU tensor for init_weights to draw, of which this rank then keeps its block; every
+        # rank draws every number (the generator cannot skip ahead): that costs time, not memory
+        for name, p in model.named_parameters():
             local, index = local_block(p)
             full = torch.empty(p.shape, dtype=p.dtype)
             yield name, full
             local.copy_(full[index])
+
+    tied = SimpleNamespace(weight=None)  # init_weights' tie check finds the stand-in's lm_head and wte tied
+    stand_in = SimpleNamespace(config=model.config, named_parameters=named_parameters, lm_head=tied,
+                               transformer=SimpleNamespace(wte=tied))
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        GPT.init_weights(stand_in)
 
 
 def local_block(param):
@@ -332,203 +315,38 @@ def from_pretrained(name_or_path, padded_vocab_size=None):
 
 
 def save_pretrained(model, save_directory, state_dict=None, max_shard_size=5 * 10**9):
-    """Write config.json and model.safetensors in the layout transformers writes for GPT2LMHeadModel: padded rows
-    trimmed, Conv1D weights transposed back, lm_head left out (tied); above max_shard_size bytes, numbered files and
-    model.safetensors.index.json, as transformers shards. `state_dict` (our key names, e.g. a full state dict
-    gathered from FSDP) replaces model.state_dict(). A model without biases is written with zero biases, which
-    compute the same function. Each file appears complete or not at all."""
+    """Write config.json and model.safetensors as transformers does for GPT2LMHeadModel (numbered files and an index
+    above max_shard_size bytes), from `state_dict` (our names, e.g. gathered from FSDP) or model.state_dict(). A model
+    without biases is written with zero biases, the same function. Each file appears complete or not at all."""
     state_dict = model.state_dict() if state_dict is None else state_dict
     _write_hf(save_directory, model.config, state_dict, max_shard_size, f"save_pretrained({save_directory})")
 
 
-def resolve_pretrained(name_or_path):
-    """(local directory, GPTConfig) of a Hugging Face GPT-2: a directory as is, a hub id downloaded (or found in the
-    cache). Reads config.json only, so every rank can call it before building the model on the meta device."""
-    directory = _model_directory(name_or_path)
-    return directory, _read_config(os.path.join(directory, "config.json"))
-
-
-@torch.no_grad()
-def load_hf_sharded(model, name_or_path):
-    """Fill `model`, a GPT whose config matches the checkpoint's (padding aside), from a Hugging Face GPT-2 directory
-    or hub id, every key and shape checked first. A plain model is filled whole. For a model sharded with FSDP2
-    (every rank calls this) each rank reads from the safetensors files only the rows its shards hold, so no rank
-    ever holds the full model: returns "sharded". A pytorch_model.bin is a pickle, which cannot be read in slices:
-    rank 0 reads it whole and sends one tensor at a time to every rank: returns "full"."""
-    directory, config = resolve_pretrained(name_or_path)
-    _check_fits(model.config, config, os.path.join(directory, "config.json"))
-    params = dict(model.named_parameters())  # the tied lm_head.weight is listed once, as transformer.wte.weight
-    sharded = any(isinstance(p, DTensor) for p in params.values())
-    device = next(iter(params.values())).device
-    where, paths = _weight_files(directory)
-    pickled = paths[0].endswith(".bin")
-    shapes, sources = _open_weights(paths, from_rank0=sharded and pickled)
-    keys = _match_layout(where, config, shapes)
-
-    def read(key, index):  # the block `index` (a tuple of slices) of file tensor `key`
-        if not (sharded and pickled):
-            return _read_slice(sources[key], key, index)
-        full = (sources[key].float() if dist.get_rank() == 0 else torch.empty(shapes[key])).to(device)
-        dist.broadcast(full, src=0)
-        return full[index]
-
-    for name, p in params.items():
-        local, index = local_block(p)
-        name = "transformer.wte.weight" if name == "lm_head.weight" else name  # an untied copy of the same weight
-        _fill_param(local, read, keys[name], name, index, config.vocab_size)
-    if "lm_head.weight" in keys:  # tied in the file as well? each rank compares its rows, then all ranks agree
-        rows, columns = local_block(model.transformer.wte.weight)[1]
-        rows = (_real_rows(rows, config.vocab_size), columns)
-        same = torch.equal(read("lm_head.weight", rows), read(keys["transformer.wte.weight"], rows))
-        differs = torch.tensor([0 if same else 1], device=device)
-        if sharded:
-            dist.all_reduce(differs)
-        if differs.item():
-            untied = "lm_head.weight differs from wte.weight (untied output embeddings are not supported)"
-            raise ValueError(_mismatch(where, config, [untied]))
-    return "full" if pickled else "sharded"
-
-
 def export_hf(model, directory, max_shard_size=5 * 10**9):
-    """Collective (every rank calls it): write `model`, plain or sharded with FSDP2, as save_pretrained does, from
-    rank 0. Each parameter is gathered alone and moved to the CPU at once, so no GPU ever holds the full model, and
-    rank 0 holds at most one file's tensors (max_shard_size bytes). Each file appears complete or not at all; writing
-    into a fresh directory and renaming it once every rank has returned is the caller's job."""
+    """save_pretrained for a plain or FSDP2-sharded model, a collective: parameters are gathered one at a time and
+    rank 0 writes, holding one file's tensors at most. Renaming a fresh directory into place is the caller's job."""
     writer = not dist.is_initialized() or dist.get_rank() == 0
     _write_hf(directory, model.config, dict(model.named_parameters()), max_shard_size, f"export_hf({directory})",
               writer)
 
 
-@torch.no_grad()
-def _write_hf(directory, cfg, state_dict, max_shard_size, who, writer=True):
-    """Check `state_dict` (our names and layout) against `cfg`, then write the Hugging Face directory. DTensors are
-    gathered one at a time, a collective every rank joins; only the `writer` writes."""
-    expected = _hf_shapes(cfg)
-    problems = []
-    for name, tensor in state_dict.items():
-        if name == "lm_head.weight":
-            continue
-        if name not in expected:
-            problems.append(f"unexpected tensor {name}")
-        elif _file_shape(name, tensor.shape, cfg.vocab_size) != expected[name]:
-            problems.append(f"{name} has shape {_file_shape(name, tensor.shape, cfg.vocab_size)} in the file layout, "
-                            f"expected {expected[name]}")
-    zero_biases = [] if cfg.bias else [name for name in expected if name.endswith(".bias")]
-    problems += [f"missing tensor {name}" for name in expected if name not in state_dict and name not in zero_biases]
-    if problems:
-        raise ValueError(f"{who}: the state dict does not fit this model's config: {_first_five(problems)}")
-    dtype = state_dict["transformer.wte.weight"].dtype
-
-    def file_tensor(name):
-        if name in zero_biases:  # a model without biases computes what one with zero biases does
-            return torch.zeros(expected[name], dtype=dtype)
-        tensor = state_dict[name]
-        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if name == "transformer.wte.weight":
-            tensor = tensor[:cfg.vocab_size]
-        return (tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor).cpu().contiguous() if writer else None
-
-    # transformers' own sharding: tensors in state-dict order, a new file when the next would pass max_shard_size
-    split = huggingface_hub.split_torch_state_dict_into_shards(
-        {name: torch.empty(shape, dtype=state_dict[name].dtype if name in state_dict else dtype, device="meta")
-         for name, shape in expected.items()}, max_shard_size=max_shard_size)
-    if writer:
-        os.makedirs(directory, exist_ok=True)
-    for filename, names in split.filename_to_tensors.items():
-        tensors = {name: file_tensor(name) for name in names}  # gathered by every rank, kept by the writer
-        if writer:
-            _publish(os.path.join(directory, filename), partial(save_file, tensors, metadata={"format": "pt"}))
-    if not writer:
-        return
-    written = set(split.filename_to_tensors)
-    if split.is_sharded:
-        written.add("model.safetensors.index.json")
-        _write_json(os.path.join(directory, "model.safetensors.index.json"),
-                    {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
-    _write_json(os.path.join(directory, "config.json"), _hf_config(cfg, dtype))
-    for stale in set(os.listdir(directory)) - written:  # weights of an earlier save that readers would mix in
-        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
-            os.remove(os.path.join(directory, stale))
-
-
-def _hf_config(cfg, dtype):
-    """transformers' config.json for GPT2LMHeadModel with our architecture."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size,
-        "n_ctx": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.layer_norm_eps,
-        "resid_pdrop": 0.0,  # we train without dropout
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "tie_word_embeddings": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        # GPT-2's <|endoftext|>; transformers would default to it even where the vocabulary has no such id
-        "bos_token_id": 50256 if cfg.vocab_size > 50256 else None,
-        "eos_token_id": 50256 if cfg.vocab_size > 50256 else None,
-    }
-
-
-def _write_json(path, obj):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    _publish(path, write)
-
-
-def _publish(path, write):
-    """`write(tmp)` a hidden file beside `path`, then rename it over `path`: a reader never sees half a file."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # safetensors creates 0600 files
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _hf_shapes(config):
-    """Tensor name -> shape in the Hugging Face file (Conv1D layout) for a GPT-2 with biases and no padding."""
-    with torch.device("meta"):
-        model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
-    return {name: _file_shape(name, p.shape, config.vocab_size)
-            for name, p in model.state_dict().items() if name != "lm_head.weight"}
-
-
-def _file_shape(name, shape, vocab_size):
-    """The shape our parameter `name` has in the file: wte without padded rows, Conv1D weights transposed."""
-    if name == "transformer.wte.weight":
-        shape = (min(shape[0], vocab_size), *shape[1:])
-    return tuple(reversed(shape) if name.endswith(CONV1D_WEIGHTS) else shape)
-
-
-def _model_directory(name_or_path):
-    """A local directory as is; anything else is a hub repo id, fetched (or found in the cache) by huggingface_hub."""
+def resolve_pretrained(name_or_path):
+    """(local directory, GPTConfig) of a Hugging Face GPT-2, a directory or a hub id (downloaded or found in the cache),
+    refusing any config.json of another function. Reads no weights: every rank can call it before building on meta."""
     if os.path.isdir(name_or_path):
-        return name_or_path
-    if os.path.exists(name_or_path):
+        directory = name_or_path
+    elif os.path.exists(name_or_path):
         raise ValueError(f"{name_or_path}: a file; expected a model directory or a Hugging Face hub id")
-    try:
-        directory = huggingface_hub.snapshot_download(
-            name_or_path, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
-        if not any(f.endswith(".safetensors") for f in os.listdir(directory)):  # older repos: only the pickle
-            directory = huggingface_hub.snapshot_download(name_or_path, allow_patterns=["pytorch_model.bin"])
-    except (OSError, ValueError) as e:  # not found, offline without a cached copy, invalid repo id
-        raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available from the Hugging Face "
-                                f"hub ({type(e).__name__}: {e})") from e
-    return directory
-
-
-def _read_config(path):
-    """GPTConfig from a Hugging Face GPT-2 config.json, refusing anything that would compute a different function."""
+    else:
+        try:
+            directory = huggingface_hub.snapshot_download(
+                name_or_path, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
+            if not any(f.endswith(".safetensors") for f in os.listdir(directory)):  # older repos: only the pickle
+                directory = huggingface_hub.snapshot_download(name_or_path, allow_patterns=["pytorch_model.bin"])
+        except (OSError, ValueError) as e:  # not found, offline without a cached copy, invalid repo id
+            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available from the Hugging "
+                                    f"Face hub ({type(e).__name__}: {e})") from e
+    path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json")
     try:
@@ -554,128 +372,206 @@ def _read_config(path):
     if problems:
         raise ValueError(f"{path}: unsupported GPT-2 variant: {'; '.join(problems)}")
     try:
-        return GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
-                         vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
-                         n_head=hf.get("n_head", 12), n_embd=n_embd, layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+        config = GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),
+                           vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
+                           n_head=hf.get("n_head", 12), n_embd=n_embd,
+                           layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    return directory, config
 
 
-def _check_fits(model_config, config, path):
-    """The model to fill has the architecture of config.json at `path` (its padded vocabulary rows aside)."""
-    differ = [f"{k} {getattr(model_config, k)} (file: {getattr(config, k)})" for k in ARCHITECTURE
-              if getattr(model_config, k) != getattr(config, k)]
+@torch.no_grad()
+def load_hf_sharded(model, name_or_path):
+    """Fill `model`, plain or FSDP2-sharded (every rank calls), from a Hugging Face GPT-2 of its config, every key and
+    shape checked first. Returns "sharded" for safetensors, of which each rank reads only its shards' rows, or "full"
+    for pytorch_model.bin, a pickle that cannot be read in slices: rank 0 reads it whole and broadcasts each tensor."""
+    directory, config = resolve_pretrained(name_or_path)
+    differ = [f"{k} {getattr(model.config, k)} (file: {getattr(config, k)})" for k in ARCHITECTURE
+              if getattr(model.config, k) != getattr(config, k)]
     if differ:
-        raise ValueError(f"{path}: the model to load into differs: {', '.join(differ)}")
+        raise ValueError(f"{os.path.join(directory, 'config.json')}: the model to load into differs: "
+                         f"{', '.join(differ)}")
+    params = dict(model.named_parameters())  # the tied lm_head.weight is listed once, as transformer.wte.weight
+    sharded = any(isinstance(p, DTensor) for p in params.values())
+    device = next(iter(params.values())).device
+    where, keys, sources = _open_weights(directory, config, sharded)
+    pickled = where.endswith(".bin")
+
+    def read(key, index):  # the block `index` (a tuple of slices) of file tensor `key`
+        if sharded and pickled:  # rank 0 holds the tensors, the other ranks their shapes
+            full = (sources[key].float() if dist.get_rank() == 0 else torch.empty(sources[key])).to(device)
+            dist.broadcast(full, src=0)
+            return full[index]
+        if pickled:
+            return sources[key][index]
+        with safe_open(sources[key], "pt") as f:  # opened per tensor, so its mapped pages go once the block is read
+            return f.get_slice(key)[index]
+
+    untied = torch.zeros(1, device=device)  # whether this rank's rows of the file's lm_head.weight differ from wte
+    for name, p in params.items():
+        local, index = local_block(p)
+        if name.endswith(CONV1D_WEIGHTS):  # our rows of a Conv1D weight are the file's columns
+            local.copy_(read(keys[name], index[::-1]).t())
+        elif name in ("transformer.wte.weight", "lm_head.weight"):  # lm_head.weight: a copy to_empty() untied
+            in_file = (slice(min(index[0].start, config.vocab_size), min(index[0].stop, config.vocab_size)), *index[1:])
+            rows = read(keys["transformer.wte.weight"], in_file)
+            if "lm_head.weight" in keys:
+                untied += not torch.equal(rows, read(keys["lm_head.weight"], in_file))
+            local[:rows.size(0)].copy_(rows)
+            local[rows.size(0):].zero_()  # the padded rows, past vocab_size
+        else:
+            local.copy_(read(keys[name], index))
+    if sharded:  # every rank fails alike
+        dist.all_reduce(untied)
+    if untied.item():
+        raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied output embeddings are not "
+                         f"supported)")
+    return "full" if pickled else "sharded"
 
 
-def _weight_files(directory):
-    """(file name(s) for messages, paths): model.safetensors, the files of its sharded index, or pytorch_model.bin."""
-    single = os.path.join(directory, "model.safetensors")
-    index = os.path.join(directory, "model.safetensors.index.json")
-    pickled = os.path.join(directory, "pytorch_model.bin")
-    if os.path.isfile(single):
-        return single, [single]
-    if os.path.isfile(pickled) and not os.path.isfile(index):
-        return pickled, [pickled]
-    if not os.path.isfile(index):
+def _open_weights(directory, config, sharded):
+    """(name for messages, {our name: file key}, {key: source}) of the weight files, checked against `config`. A
+    source is a safetensors file, read later in slices, or a pickle's tensor (its shape where only rank 0 unpickles)."""
+    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")  # the first found is read
+    found = [os.path.join(directory, name) for name in names if os.path.isfile(os.path.join(directory, name))]
+    if not found:
         raise FileNotFoundError(f"{directory}: no weights (model.safetensors, model.safetensors.index.json or "
                                 f"pytorch_model.bin)")
-    try:
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
-    return f"{index} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
-
-
-def _open_weights(paths, from_rank0=False):
-    """({key: shape}, {key: source}) of the weight files: a source is the safetensors file, read lazily in slices, or
-    the tensor of an unpickled pytorch_model.bin. from_rank0: only rank 0 unpickles; the others get its shapes (or
-    its error, so that every rank fails alike)."""
-    if from_rank0:
-        shapes, sources, error = {}, {}, None
-        if dist.get_rank() == 0:
-            try:
-                shapes, sources = _open_weights(paths)
-            except ValueError as e:
-                error = str(e)
+    where, paths = found[0], found[:1]
+    if where.endswith(".json"):
+        try:
+            with open(where) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
+        where, paths = f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
+    from_rank0 = sharded and where.endswith(".bin")
+    shapes, sources, error = {}, {}, None
+    if not from_rank0 or dist.get_rank() == 0:
+        try:
+            for path in paths:
+                if path.endswith(".bin"):
+                    sources.update(torch.load(path, map_location="cpu", weights_only=True))
+                    shapes.update((key, tuple(t.shape)) for key, t in sources.items())
+                else:
+                    with safe_open(path, "pt") as f:  # the header only
+                        for key in f.keys():
+                            shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
+        except Exception as e:  # whatever the parser says, the file is the problem: name it
+            error = f"{path}: not a readable weights file ({type(e).__name__}: {e})"
+    if from_rank0:  # rank 0's shapes, or its error: every rank fails alike, none waits for rank 0 in vain
         box = [(shapes, error)]
         dist.broadcast_object_list(box, src=0)
         shapes, error = box[0]
-        if error:
-            raise ValueError(error)
-        return shapes, sources
-    shapes, sources = {}, {}
-    for path in paths:
-        try:
-            if path.endswith(".bin"):
-                sources.update(torch.load(path, map_location="cpu", weights_only=True))
-                shapes.update((key, tuple(t.shape)) for key, t in sources.items())
-            else:
-                with safe_open(path, "pt") as f:  # the header only
-                    for key in f.keys():
-                        shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
-        except Exception as e:  # whatever the parser says, the file is the problem: name it
-            raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
-    return shapes, sources
-
-
-def _match_layout(where, config, shapes):
-    """{our name: file key} for the file's {key: shape}, or one error listing every key and shape that does not fit.
-    Both layouts of real files pass: with or without the "transformer." prefix, with or without the attn.bias /
-    attn.masked_bias causal-mask buffers, lm_head.weight present or not."""
+        sources = sources if dist.get_rank() == 0 else shapes
+    if error:
+        raise ValueError(error)
+    # both layouts of real files pass: keys with or without the "transformer." prefix, lm_head.weight or not, and
+    # the attn.bias / attn.masked_bias causal-mask buffers of older transformers versions, which are not weights
     expected = _hf_shapes(config)
-    keys, problems = {}, []
-    for key, shape in shapes.items():
+    expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight again, or not there
+    keys = {}  # our name -> the file's key
+    for key in shapes:
         name = key if key.startswith("transformer.") or key == "lm_head.weight" else "transformer." + key
-        if name.endswith((".attn.bias", ".attn.masked_bias")) and name not in expected:
-            continue  # causal-mask buffers of older transformers versions, not weights
-        keys[name] = key
-        want = expected["transformer.wte.weight"] if name == "lm_head.weight" else expected.get(name)
-        if want is None:
-            problems.append(f"unexpected tensor {key}")
-        elif shape != want:
-            problems.append(f"{key} has shape {shape}, expected {want}")
-    problems += [f"missing tensor {name}" for name in expected if name not in keys]
+        if name in expected or not name.endswith((".attn.bias", ".attn.masked_bias")):
+            keys[name] = key
+    problems = [f"unexpected tensor {key}" for name, key in keys.items() if name not in expected]
+    problems += [f"{key} has shape {shapes[key]}, expected {expected[name]}"
+                 for name, key in keys.items() if name in expected and shapes[key] != expected[name]]
+    problems += [f"missing tensor {name}" for name in expected if name not in keys and name != "lm_head.weight"]
     if problems:
-        raise ValueError(_mismatch(where, config, problems))
-    return keys
+        raise ValueError(f"{where}: does not match its config.json ({config.n_layer} layers, n_embd {config.n_embd}, "
+                         f"vocab {config.vocab_size}, context {config.block_size}): {_first_five(problems)}")
+    return where, keys, sources
 
 
-def _mismatch(where, config, problems):
-    return (f"{where}: does not match its config.json ({config.n_layer} layers, n_embd {config.n_embd}, vocab "
-            f"{config.vocab_size}, context {config.block_size}): {_first_five(problems)}")
+def _hf_shapes(config):
+    """Tensor name -> shape in the Hugging Face file (Conv1D layout) for a GPT-2 with biases and no padding."""
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
+    return {name: _file_shape(name, p.shape, config.vocab_size)
+            for name, p in model.state_dict().items() if name != "lm_head.weight"}
 
 
-def _fill_param(local, read, key, name, index, vocab_size):
-    """Fill `local`, block `index` of our parameter `name`, from file tensor `key`: our rows of a Conv1D weight are
-    the file's columns, and wte's rows past vocab_size are padding: zeros."""
-    if name.endswith(CONV1D_WEIGHTS):
-        local.copy_(read(key, index[::-1]).t())
-    elif name == "transformer.wte.weight":
-        real = read(key, (_real_rows(index[0], vocab_size), *index[1:]))
-        local[:real.size(0)].copy_(real)
-        local[real.size(0):].zero_()
-    else:
-        local.copy_(read(key, index))
-
-
-def _real_rows(rows, vocab_size):
-    return slice(min(rows.start, vocab_size), min(rows.stop, vocab_size))
-
-
-def _read_slice(source, key, index):
-    """tensor[index] of a loaded tensor, or of tensor `key` of safetensors file `source`, reading only that block.
-    The file is opened per tensor so that its mapped pages go when the block is read."""
-    if isinstance(source, torch.Tensor):
-        return source[index]
-    with safe_open(source, "pt") as f:
-        return f.get_slice(key)[index]
+def _file_shape(name, shape, vocab_size):
+    """The shape our parameter `name` has in the file: wte without padded rows, Conv1D weights transposed."""
+    if name == "transformer.wte.weight":
+        shape = (min(shape[0], vocab_size), *shape[1:])
+    return tuple(reversed(shape) if name.endswith(CONV1D_WEIGHTS) else shape)
 
 
 def _first_five(problems):
     return "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+
+
+@torch.no_grad()
+def _write_hf(directory, cfg, state_dict, max_shard_size, who, writer=True):
+    """Check `state_dict` (our names and layout) against `cfg`, then write the Hugging Face directory; DTensors are
+    gathered one at a time (a collective every rank joins), and only the `writer` writes."""
+    expected = _hf_shapes(cfg)
+    zero_biases = [] if cfg.bias else [name for name in expected if name.endswith(".bias")]
+    shapes = {name: _file_shape(name, t.shape, cfg.vocab_size) for name, t in state_dict.items()}
+    problems = [f"unexpected tensor {name}" for name in shapes if name not in expected and name != "lm_head.weight"]
+    problems += [f"{name} has shape {shape} in the file layout, expected {expected[name]}"
+                 for name, shape in shapes.items() if name in expected and shape != expected[name]]
+    problems += [f"missing tensor {name}" for name in expected if name not in state_dict and name not in zero_biases]
+    if problems:
+        raise ValueError(f"{who}: the state dict does not fit this model's config: {_first_five(problems)}")
+    dtype = state_dict["transformer.wte.weight"].dtype
+
+    def file_tensor(name):
+        if name in zero_biases:  # a model without biases computes what one with zero biases does
+            return torch.zeros(expected[name], dtype=dtype)
+        tensor = state_dict[name]
+        tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if name == "transformer.wte.weight":
+            tensor = tensor[:cfg.vocab_size]
+        return (tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor).cpu().contiguous() if writer else None
+
+    def write_json(name, obj):
+        text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+        _publish(os.path.join(directory, name), lambda tmp: pathlib.Path(tmp).write_text(text))
+
+    # transformers' own sharding: tensors in state-dict order, a new file when the next would pass max_shard_size
+    split = huggingface_hub.split_torch_state_dict_into_shards(
+        {name: torch.empty(shape, dtype=state_dict[name].dtype if name in state_dict else dtype, device="meta")
+         for name, shape in expected.items()}, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        tensors = {name: file_tensor(name) for name in names}  # gathered by every rank, kept by the writer
+        if writer:
+            os.makedirs(directory, exist_ok=True)
+            _publish(os.path.join(directory, filename), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    if not writer:
+        return
+    written = set(split.filename_to_tensors)
+    if split.is_sharded:
+        written.add("model.safetensors.index.json")
+        write_json("model.safetensors.index.json",
+                   {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
+    # GPT-2's <|endoftext|>, said outright: transformers would assume it even where the vocabulary has no such id
+    endoftext = 50256 if cfg.vocab_size > 50256 else None
+    write_json("config.json", {  # transformers' config.json for GPT2LMHeadModel
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": endoftext, "eos_token_id": endoftext})
+    for stale in set(os.listdir(directory)) - written:  # weights of an earlier save that readers would mix in
+        if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", stale):
+            os.remove(os.path.join(directory, stale))
+
+
+def _publish(path, write):
+    """`write(tmp)` a hidden file beside `path`, then rename it over `path`: a reader never sees half a file."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # safetensors creates 0600 files
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 # ----------------------------------------------------------------------------- train_gpt2.py's checkpoints, read

@@ -2,9 +2,6 @@
 
     python sample.py --model out --prompt "First Citizen:" --num-samples 3 --max-new-tokens 100 --top-k 200
     python sample.py --model gpt2 --prompt "Hello, I'm a language model," --temperature 0.8
-
---model is a hub name (gpt2), a directory with config.json + model.safetensors (e.g. out/hf), a training out_dir
-(its latest checkpoint) or one checkpoint directory under out_dir/ckpt/.
 """
 import argparse
 import sys
@@ -18,16 +15,12 @@ from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
 @torch.no_grad()
 def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperature=1.0, top_k=None, seed=1337,
                  device="cpu"):
-    """`num_samples` continuations of `prompt` (each returned with the prompt in front), reproducible for `seed`.
-
-    The global RNG state is restored afterwards, so sampling inside a training loop does not change the run.
-    An empty prompt starts from <|endoftext|>, as a document does in the training data.
-    """
+    """`num_samples` continuations of `prompt` (each with the prompt in front), reproducible for `seed`; the global RNG
+    state is restored afterwards, so sampling inside a training loop does not change the run."""
     if model.config.vocab_size != VOCAB_SIZE:
-        raise ValueError(f"the model's vocabulary has {model.config.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}: "
-                         f"its tokens cannot be decoded with the GPT-2 tokenizer")
+        raise ValueError(f"the model's vocabulary has {model.config.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}")
     enc = gpt2_encoding()
-    start = enc.encode_ordinary(prompt) or [EOT_ID]
+    start = enc.encode_ordinary(prompt) or [EOT_ID]  # an empty prompt starts a document, as in the training data
     device = torch.device(device)
     idx = torch.tensor([start] * num_samples, dtype=torch.long, device=device)
     was_training = model.training
@@ -54,17 +47,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1:
         parser.error("--num-samples and --max-new-tokens must be at least 1")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
-    if args.top_k < 0:
-        parser.error("--top-k must be >= 0")
+    if args.temperature < 0 or args.top_k < 0:
+        parser.error("--temperature must be >= 0 and --top-k >= 0")
     try:
         device = torch.device(args.device)
     except RuntimeError:
         parser.error(f"--device {args.device}: not a device; use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu")
-
     try:
         model = load_model(args.model).to(args.device)
         texts = sample_texts(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,

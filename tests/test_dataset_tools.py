@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 import indexed_dataset as dataset_tools
-from indexed_dataset import check_token_range, max_token_id, token_range
+from indexed_dataset import check_token_range, token_range
 from indexed_dataset import IndexedDataset, build_gpt_datasets
 from test_indexed_dataset import corrupt, deny_writes, random_documents, write_ours
 
@@ -65,7 +65,7 @@ def test_cli_verify_cache(tmp_path):
 
 def test_token_range_is_computed_once_and_kept_beside_the_data(tmp_path, monkeypatch):
     prefix = write_ours(str(tmp_path / "d_text_document"), [([5, 9, 300], [3]), ([7], [1])])
-    assert token_range(prefix) == (5, 300) and max_token_id(IndexedDataset(prefix)) == 300
+    assert token_range(prefix) == (5, 300) and token_range(IndexedDataset(prefix))[1] == 300
     stats = json.load(open(prefix + ".stats.json"))
     assert (stats["min"], stats["max"]) == (5, 300)
     scans = []
@@ -80,8 +80,8 @@ def test_token_range_of_a_read_only_directory(tmp_path, monkeypatch):
     data.mkdir()
     prefix = write_ours(str(data / "d_text_document"), [([5, 9, 300], [3])])
     deny_writes(monkeypatch, data)
-    assert max_token_id(prefix) == 300 and not os.path.exists(prefix + ".stats.json")
-    assert max_token_id(prefix, cache_dir=str(tmp_path / "out")) == 300
+    assert token_range(prefix)[1] == 300 and not os.path.exists(prefix + ".stats.json")
+    assert token_range(prefix, cache_dir=str(tmp_path / "out"))[1] == 300
     assert len(glob.glob(str(tmp_path / "out" / "d_text_document-*.stats.json"))) == 1
 
 
@@ -89,7 +89,7 @@ def test_check_token_range_names_the_file(tmp_path):
     good = write_ours(str(tmp_path / "good_text_document"), [([1, 2, 50256], [3])])
     big = write_ours(str(tmp_path / "big_text_document"), [([1, 60000, 3], [3])])
     check_token_range(good, 50257)
-    check_token_range([IndexedDataset(good)], 50257)
+    check_token_range([good], 50257)
     with pytest.raises(ValueError, match=rf"token id 60000 in {big}\.bin is outside the model's vocabulary "
                                          r"\(vocab_size 50257\)"):
         check_token_range(str(tmp_path / "*_text_document"), 50257)
@@ -101,7 +101,7 @@ def test_check_token_range_names_the_file(tmp_path):
 
 def test_verify_reads_the_tokens_not_the_stats(tmp_path):
     prefix = write_ours(str(tmp_path / "d_text_document"), [([1, 2, 3], [3])])
-    assert max_token_id(prefix) == 3
+    assert token_range(prefix)[1] == 3
     with open(prefix + ".bin", "r+b") as f:  # same size; the mtime may not move within the clock's resolution
         f.seek(2)
         f.write(struct.pack("<H", 999))

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from indexed_dataset import verify_cache
 from indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, LLMCValWindows, PretrainingSampler,
-                             build_gpt_datasets, optimal_dtype, resolve_blend, sequential_samples, split_matrix)
+                             build_gpt_datasets, resolve_blend, sequential_samples, split_matrix)
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
     warnings.simplefilter("ignore")
@@ -82,10 +82,10 @@ def test_builder_writes_megatron_bytes(tmp_path, dtype):
 
 def test_default_dtype_and_plain_documents_match_preprocess_data(tmp_path):
     # preprocess_data.py: one sequence per document, an empty document adds only a boundary; uint16 for GPT-2
-    assert optimal_dtype(50257) is np.uint16 is DType.optimal_dtype(50257)
-    assert optimal_dtype(128256) is np.int32 is DType.optimal_dtype(128256)
     documents = [[5, 6, 7], [], [8], list(range(100))]
     builder = IndexedDatasetBuilder(str(tmp_path / "ours.bin"))
+    assert builder.dtype == np.uint16 and DType.optimal_dtype(50257) is np.uint16
+    assert DType.optimal_dtype(128256) is np.int32
     for tokens in documents:
         builder.add_document(tokens)
     builder.finalize(str(tmp_path / "ours.idx"))
