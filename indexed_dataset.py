@@ -1,28 +1,13 @@
-"""Megatron-Core indexed datasets and GPT sampling in plain numpy, sample for sample.
-
-Data prepared for Megatron-LM or NeMo (`<prefix>.bin` + `<prefix>.idx`) trains here unchanged and ours trains there:
-this module writes the same files byte for byte and builds the same train/valid/test samples, in the same order, as
-megatron-core's GPTDataset and BlendedDataset (tests/ check it against megatron-core 0.16.1), with neither
-megatron-core, torch nor Megatron's C++ helper.
+"""Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the same samples in
+the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and BlendedDataset (tests/ compare them).
 
 The .idx file (little-endian, packed):
     magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count S u64 | document count D u64
     | sequence lengths i32[S] | byte offset of each sequence in .bin i64[S] | document boundaries i64[D]
-and the .bin file is the tokens themselves. D counts a leading 0, so the file holds D - 1 documents. A document is one
-sequence unless the data was prepared with sentence splitting; GPT sampling works on sequences only.
-
-How megatron-core samples one split of one prefix (GPTDataset): `split` ("969,30,1") cuts the sequences into three
-contiguous ranges; a range is repeated for as many epochs as the samples asked need and shuffled (document index);
-the shuffled stream is cut into samples of seq_length + 1 tokens, each sharing one token with the next (sample
-index); the samples are shuffled (shuffle index). A last epoch used for less than 80% is shuffled on its own, both
-times. A blend of prefixes draws from each in proportion to its weight (BlendedDataset).
-
-Samples are {"tokens", "labels"} int64 arrays, equal to megatron-core's; its position ids and loss mask are, with the
-defaults this module always samples with, arange(seq_length) and all ones, so they are left out. Command line:
+and the .bin file is the tokens themselves (D counts a leading 0). GPTDataset follows megatron-core's gpt_dataset.py.
 
     python indexed_dataset.py info   'data/processed_data_*_text_document'    # documents, sequences, tokens, dtype
     python indexed_dataset.py verify 'data/processed_data_*_text_document' --vocab-size 50257   # read every token
-    python indexed_dataset.py verify-cache data/processed_data_0_text_document/cache/GPTDataset_indices
 """
 import argparse
 import glob
@@ -48,7 +33,6 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
 DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
-CHECK_BLOCK = 1 << 20  # sequences per step of the index checks: bounds their temporaries
 TOKENS_PER_STEP = 1 << 26  # tokens per step of the token-range pass: bounds its memory
 CACHE_FORMAT = 2  # bump when the cached arrays or their key change meaning (2: keyed by the .idx's size and mtime)
 # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
@@ -117,12 +101,6 @@ class IndexedDataset:
         size = self.bin_stat.st_size
         self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.empty(0, self.dtype)
 
-    def __getstate__(self):  # DataLoader workers reopen the files instead of pickling the mapped tokens
-        return {"path_prefix": self.path_prefix}
-
-    def __setstate__(self, state):
-        self.__init__(state["path_prefix"], check=False)  # checked where it was first opened
-
     def __len__(self):
         return len(self.sequence_lengths)
 
@@ -146,35 +124,23 @@ class IndexedDataset:
 
     def check(self):
         """Raise ValueError naming the file unless boundaries never decrease, lengths are >= 0, each pointer is the sum
-        of the lengths before it and the .bin holds exactly every sequence. Reads the index in blocks, not via the map,
-        so that its pages do not stay in this process's memory."""
-        idx_path, S, D = self.path_prefix + ".idx", len(self), len(self.document_indices)
-        end = 0
-        with open(idx_path, "rb") as f:
-            def read(dtype, offset, count):
-                f.seek(offset)
-                return np.fromfile(f, dtype, max(0, count))
-
-            for first in range(0, max(S, D), CHECK_BLOCK):
-                boundaries = read("<i8", HEADER.size + 12 * S + 8 * first, min(CHECK_BLOCK + 1, D - first))
-                if (np.diff(boundaries) < 0).any():
-                    raise ValueError(f"{idx_path}: corrupt: document boundaries decrease (in documents from {first})")
-                sizes = read("<i4", HEADER.size + 4 * first, min(CHECK_BLOCK, S - first)).astype(np.int64)
-                if sizes.size and sizes.min() < 0:
-                    raise ValueError(f"{idx_path}: corrupt: sequence {first + int(np.argmin(sizes))} has a negative "
-                                     f"length {sizes.min()}")
-                sizes *= self.dtype.itemsize
-                starts = np.cumsum(sizes)
-                starts -= sizes
-                starts += end
-                bad = np.flatnonzero(read("<i8", HEADER.size + 4 * S + 8 * first, len(sizes)) != starts)
-                if bad.size:
-                    k = first + int(bad[0])
-                    raise ValueError(f"{idx_path}: corrupt: sequence {k} starts at byte {self.sequence_pointers[k]} "
-                                     f"of the .bin, but the lengths before it put it at byte {starts[bad[0]]} "
-                                     f"({self.dtype} tokens): a wrong dtype code or damaged pointers")
-                end += int(sizes.sum())
-        self._check_bin_size(end)
+        of the lengths before it and the .bin holds exactly every sequence."""
+        idx_path = self.path_prefix + ".idx"
+        if (np.diff(self.document_indices) < 0).any():
+            raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
+        sizes = self.sequence_lengths.astype(np.int64)
+        if sizes.size and sizes.min() < 0:
+            raise ValueError(f"{idx_path}: corrupt: sequence {int(np.argmin(sizes))} has a negative length "
+                             f"{sizes.min()}")
+        sizes *= self.dtype.itemsize
+        starts = np.cumsum(sizes) - sizes
+        bad = np.flatnonzero(self.sequence_pointers != starts)
+        if bad.size:
+            k = int(bad[0])
+            raise ValueError(f"{idx_path}: corrupt: sequence {k} starts at byte {self.sequence_pointers[k]} of the "
+                             f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} tokens): a "
+                             f"wrong dtype code or damaged pointers")
+        self._check_bin_size(int(sizes.sum()))
 
     def _check_bin_size(self, expected):
         bin_path, idx_path, size = self.path_prefix + ".bin", self.path_prefix + ".idx", self.bin_stat.st_size
@@ -537,8 +503,7 @@ def cached(cache_dir, name, key, build, write):
     """The arrays `build()` returns, kept in `cache_dir` as `{hash of key}-{name}-{array}.npy`.
 
     `key` holds every parameter and each source .idx's path, size and mtime. The description `{hash}-{name}.json`,
-    written last, records the key and each array's dtype, shape and sha256; a load checks all but the sha256 (reading
-    every byte would cost more than the load: `indexed_dataset.py verify-cache` does) and rebuilds what fails."""
+    written last, records the key and each array's dtype and shape; a load checks them and the sizes, or rebuilds."""
     if cache_dir is None:
         return build()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -555,8 +520,7 @@ def cached(cache_dir, name, key, build, write):
         for array_name, values in arrays.items():
             with atomic_write(f"{base}-{array_name}.npy") as f:
                 np.save(f, values)
-            description["arrays"][array_name] = {"dtype": values.dtype.str, "shape": list(values.shape),
-                                                 "sha256": hashlib.sha256(np.ascontiguousarray(values)).hexdigest()}
+            description["arrays"][array_name] = {"dtype": values.dtype.str, "shape": list(values.shape)}
         with atomic_write(base + ".json", "w") as f:
             json.dump(description, f, indent=1)
     return arrays
@@ -913,16 +877,16 @@ class PretrainingSampler:
 # Token ranges and the command line
 
 
-def token_range(dataset, cache_dir=None):
+def token_range(dataset):
     """(smallest, largest) token id of a dataset (an IndexedDataset or a prefix), (None, None) without tokens; kept in
-    `<prefix>.stats.json`, or in `cache_dir` where the data is read-only, so only the first call reads the .bin."""
+    `<prefix>.stats.json` (where the directory is writable), so only the first call reads the .bin."""
     prefix = dataset.path_prefix if isinstance(dataset, IndexedDataset) else dataset
     try:
         stats = {name: os.stat(f"{prefix}.{name}") for name in ("bin", "idx")}
         key = {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
     except OSError:  # missing files: opening the dataset names them
         key = None
-    path = _stats_path(prefix, cache_dir)
+    path = prefix + ".stats.json" if os.access(os.path.dirname(os.path.abspath(prefix)), os.W_OK) else None
     try:
         with open(path) as f:
             stats = json.load(f)
@@ -941,28 +905,17 @@ def token_range(dataset, cache_dir=None):
     return low, high
 
 
-def check_token_range(paths, vocab_size, cache_dir=None):
+def check_token_range(paths, vocab_size):
     """Raise ValueError naming the .bin if a dataset of `paths` (a prefix, glob or list) holds a token id outside
     [0, vocab_size). Cheap after the first call (token_range)."""
     for prefix in resolve_blend(paths)[0]:
-        low, high = token_range(prefix, cache_dir)
+        low, high = token_range(prefix)
         if high is not None and high >= vocab_size:
             raise ValueError(f"token id {high} in {prefix}.bin is outside the model's vocabulary "
                              f"(vocab_size {vocab_size})")
         if low is not None and low < 0:
             raise ValueError(f"token id {low} in {prefix}.bin is negative: outside the model's vocabulary "
                              f"(vocab_size {vocab_size})")
-
-
-def _stats_path(path_prefix, cache_dir):
-    directory = os.path.dirname(os.path.abspath(path_prefix))
-    if os.access(directory, os.W_OK | os.X_OK):
-        return path_prefix + ".stats.json"
-    if cache_dir is None:
-        return None
-    os.makedirs(cache_dir, exist_ok=True)
-    digest = hashlib.sha256(os.path.abspath(path_prefix).encode()).hexdigest()[:16]
-    return os.path.join(cache_dir, f"{os.path.basename(path_prefix)}-{digest}.stats.json")
 
 
 def _scan_range(ds):
@@ -1014,28 +967,6 @@ def verify(paths, vocab_size=None):
     return problems
 
 
-def verify_cache(cache_dir):
-    """Check every entry of an index cache byte for byte against its recorded sha256, which loading does not; the
-    problems (delete a damaged entry: the next run rebuilds it)."""
-    descriptions = sorted(glob.glob(os.path.join(cache_dir, "*.json")))
-    if not descriptions:
-        raise FileNotFoundError(f"{cache_dir}: no index cache entries (*.json) here")
-    problems = []
-    for path in descriptions:
-        try:
-            with open(path) as f:
-                arrays = json.load(f)["arrays"]
-            for name, expected in arrays.items():
-                array_path = path[:-len(".json")] + f"-{name}.npy"
-                values = np.load(array_path, mmap_mode="r")
-                if hashlib.sha256(np.ascontiguousarray(values)).hexdigest() != expected["sha256"]:
-                    problems.append(f"{array_path}: its contents differ from when it was written")
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            problems.append(f"{path}: unreadable entry ({type(error).__name__}: {error})")
-    print(f"{cache_dir}: {len(descriptions)} entries checked")
-    return problems
-
-
 def _cli_prefixes(paths):
     """Prefixes from the command line: one prefix or quoted glob, or the files an unquoted glob expanded to."""
     paths = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths]
@@ -1050,13 +981,12 @@ def main(argv=None):
     verify_parser = commands.add_parser("verify", help="check the index and read every token")
     verify_parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
     verify_parser.add_argument("--vocab-size", type=int, default=None, help="fail on token ids >= this")
-    commands.add_parser("verify-cache", help="check an index cache directory's checksums").add_argument("cache_dir")
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
             info(args.paths)
             return 0
-        problems = verify(args.paths, args.vocab_size) if args.command == "verify" else verify_cache(args.cache_dir)
+        problems = verify(args.paths, args.vocab_size)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -6,11 +6,9 @@ Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU proce
     torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train_gpt2.py CONFIG.py
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --compile=False   # --key=value overrides the config
 
-Config: the defaults in TrainConfig, then config files (top-level assignments), then --key=value, as nanoGPT's
-configurator.py. Under torchrun the model is sharded with FSDP2 (NCCL on GPUs, gloo on CPU). Everything goes into
-out_dir: train_config.json, main.log (llm.c's format), metrics.jsonl (every metric), ckpt/step_NNNNNNNN/
-(torch.distributed.checkpoint) and, at the end, hf/ (Hugging Face GPT-2). Rerunning the same command resumes from the
-newest complete checkpoint, on any number of ranks. SIGTERM/SIGINT checkpoint at the next step and exit 128 + signum.
+Under torchrun the model is sharded with FSDP2. out_dir gets train_config.json, main.log (llm.c's format),
+metrics.jsonl, ckpt/step_NNNNNNNN/ (torch.distributed.checkpoint) and, at the end, hf/ (Hugging Face GPT-2). Rerun the
+same command to resume, on any number of ranks. README.md tells the rest.
 """
 import ast
 import dataclasses
@@ -113,16 +111,16 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 # config
 
 def parse_config(config_class, argv):
-    """An instance of the dataclass `config_class` from argv: config files (Python, top-level assignments) and
-    --key=value overrides, in order. Values are Python literals, else plain strings. An unknown key or a wrong type
-    raises ValueError naming the key (and the closest valid one); an error in a config file names file:line."""
+    """`config_class` from config files (Python, top-level assignments) and --key=value overrides, in order, as
+    nanoGPT's configurator.py; a wrong key or type raises ValueError naming it, and a config file's error file:line."""
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
 
     def checked(key, value, where):
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
-            raise ValueError(f"{where}: unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else ""))
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"{where}: unknown config key '{key}'{hint}")
         allowed = typing.get_args(fields[key].type) or (fields[key].type,)
         if float in allowed and type(value) is int:
             value = float(value)
@@ -196,7 +194,7 @@ def load_config(argv):
 # processes and the out_dir
 
 def setup_distributed(device_choice="auto", timeout_s=900):
-    """(rank, world_size, device). Under torchrun a process group is created: NCCL on GPUs, gloo on CPU."""
+    """(rank, world_size, device); under torchrun a process group: NCCL on GPUs, gloo on CPU."""
     if device_choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("config: device is 'cuda' but torch sees no CUDA GPU")
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
@@ -260,8 +258,7 @@ HF_MARKER = ".train_gpt2.json"  # in every hf/ export: only such an hf/ may be r
 
 
 def check_out_dir(out_dir):
-    """Refuse an out_dir that must not receive a run: empty, the working or project directory or one of their
-    parents, a file, or a directory with files that no run wrote."""
+    """Refuse an empty out_dir, the working or project directory or a parent, a file, or a directory not a run's."""
     if not out_dir or not out_dir.strip():
         raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
     path = os.path.realpath(out_dir)
@@ -277,46 +274,26 @@ def check_out_dir(out_dir):
                          f"train_config.json, ckpt/ or main.log: not a training run's directory; name a new one")
 
 
-class RunLock:
-    """An exclusive flock on out_dir/.lock for the life of the run; the OS drops it when the process dies, so kill -9
-    leaves no stale lock. flock works across nodes on NFS and on Lustre mounted with -o flock."""
-    held = []  # this process's lock descriptors, until release_all
-
-    @classmethod
-    def acquire(cls, out_dir):
-        path = os.path.join(out_dir, ".lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise ValueError(f"{out_dir}: another run is training in this out_dir ({path} is held by {holder}); "
-                                 f"wait for it to end, stop it, or choose another out_dir") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)  # for the next run's error
-        cls.held.append(fd)
-
-    @classmethod
-    def release_all(cls):
-        while cls.held:
-            os.close(cls.held.pop())
+LOCKS = []  # this process's out_dir locks, released when main() returns
 
 
-def move_old_logs(out_dir):
-    """Rename an earlier run's main.log / metrics.jsonl to NAME.K, so a fresh run never mixes its curves with them."""
-    moved = []
-    for name in ("main.log", "metrics.jsonl"):
-        path = os.path.join(out_dir, name)
-        if os.path.exists(path):
-            k = 1
-            while os.path.exists(f"{path}.{k}"):
-                k += 1
-            os.rename(path, f"{path}.{k}")
-            moved.append(f"{path} of an earlier run moved to {path}.{k}")
-    return moved
+def lock_out_dir(out_dir):
+    """An exclusive flock on out_dir/.lock for the run's life (the OS drops it when the process dies; works across
+    nodes on NFS, and on Lustre mounted with -o flock)."""
+    path = os.path.join(out_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+            raise ValueError(f"{out_dir}: another run is training in this out_dir ({path} is held by {holder}); "
+                             f"wait for it to end, stop it, or choose another out_dir") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)  # for the next run's error
+    LOCKS.append(fd)
 
 
 def os_error_message(e):
@@ -331,20 +308,28 @@ def os_error_message(e):
 
 
 def prepare_out_dir(cfg):
-    """Check and lock out_dir (global rank 0 locks for the whole run), remove interrupted checkpoint writes, write
-    train_config.json; return (ckpt_root, the newest usable checkpoint or None). A fresh run moves old logs aside."""
+    """Check and lock out_dir (rank 0, for the whole run), remove interrupted checkpoint writes, move an earlier run's
+    logs aside, write train_config.json; return (ckpt_root, the newest usable checkpoint or None)."""
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
 
     def work():
         check_out_dir(cfg.out_dir)
         os.makedirs(ckpt_root, exist_ok=True)
-        RunLock.acquire(cfg.out_dir)
+        lock_out_dir(cfg.out_dir)
         for name in os.listdir(ckpt_root):
             if name.endswith(".tmp"):  # ours: the lock says no other run is writing it
                 print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
                 shutil.rmtree(os.path.join(ckpt_root, name))
         resume_path, messages = newest_usable_checkpoint(ckpt_root)
-        for message in messages + ([] if resume_path else move_old_logs(cfg.out_dir)):
+        for name in () if resume_path else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
+            path = os.path.join(cfg.out_dir, name)
+            k = 1
+            while os.path.exists(f"{path}.{k}"):
+                k += 1
+            if os.path.exists(path):
+                os.rename(path, f"{path}.{k}")
+                messages.append(f"{path} of an earlier run moved to {path}.{k}")
+        for message in messages:
             print(message)
         with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
@@ -364,8 +349,7 @@ def last_good_checkpoint(ckpt_root):
 
 
 def assert_finite(model, what, ckpt_root):
-    """Raise FloatingPointError on every rank when any rank's parameters hold NaN or inf, so that no checkpoint or
-    export ever holds them. Collective: each rank checks its own shard."""
+    """Raise FloatingPointError on every rank when any rank's shard holds NaN or inf: none is saved or exported."""
     params = dict(model.named_parameters())
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
     finite = torch.stack([torch.isfinite(t.detach()).all() for t in local]).tolist()  # one device sync, not one each
@@ -399,9 +383,8 @@ def checkpoint_write_error(e, path):
 
 
 def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
-    """Write ckpt_root/step_N.tmp (DCP shards from every rank, then rng.pt and train_state.json), fsync it, write the
-    marker, rename it to step_N, then keep only the newest `keep`. Non-finite weights or a failed write raise and
-    leave nothing that looks complete. Collective."""
+    """Write step_N.tmp (DCP shards, rng.pt, train_state.json), fsync it, write the marker, rename it to step_N, keep
+    the newest `keep`. Non-finite weights or a failed write raise and leave nothing that looks complete. Collective."""
     assert_finite(model, f"checkpoint at step {train_state['step']}", ckpt_root)
     final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
@@ -443,9 +426,8 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
 
 
 def load_checkpoint(ckpt_path, model, optimizer):
-    """Load model, optimizer and RNG states in place (resharded onto this run's ranks); return train_state.json.
-    DCP's load is collective, so when any rank fails every rank moves on: the checkpoint is set aside and the next
-    older one of the run is tried."""
+    """Load model, optimizer and RNG states (resharded onto this run's ranks); return train_state.json. When any rank
+    fails (DCP's load is collective) every rank moves on: the checkpoint is set aside, the next older one tried."""
     older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
     for path in [ckpt_path] + broadcast_object(older):
         error = None
@@ -494,8 +476,7 @@ def resume(resume_path, model, optimizer, cfg):
 
 
 def publish_hf(model, cfg):
-    """The final weights as a Hugging Face GPT-2 directory: written to a temporary directory, renamed to out_dir/hf.
-    An hf/ there is replaced only when it carries HF_MARKER; anything else is moved aside, never deleted."""
+    """The final weights as out_dir/hf, written aside and renamed; an hf/ without HF_MARKER is moved aside, not lost."""
     if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
         model.reshard()
     assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
@@ -526,9 +507,8 @@ def publish_hf(model, cfg):
 # model and optimizer
 
 def starting_point(cfg, resume_path):
-    """(GPTConfig, init): the architecture, and where the first weights come from: ("checkpoint", path) to resume or
-    to start from another run, ("hf", directory) for Hugging Face weights, ("seed", seed) for GPT-2's init.
-    cfg.padded_vocab_size applies to Hugging Face weights; a checkpoint keeps its own."""
+    """(GPTConfig, init): the architecture, and where the first weights come from: ("checkpoint", path), ("hf",
+    directory) or ("seed", seed). cfg.padded_vocab_size applies to Hugging Face weights; a checkpoint keeps its own."""
     if resume_path is not None:
         model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
         if cfg.init_from is None:
@@ -552,10 +532,8 @@ def starting_point(cfg, resume_path):
 
 
 def build_model(model_config, init, cfg, device):
-    """The model on `device`, built on the meta device so that no rank ever holds more than its share: under a
-    process group each block is compiled and sharded with FSDP2 and only this rank's shard is materialised. Each rank
-    then fills its own rows: GPT-2's init from the seed (the same weights on any number of ranks) or the rows it holds
-    read from the Hugging Face files. A checkpoint fills the model later (resume)."""
+    """The model, built on the meta device and (under torchrun) sharded with FSDP2 before any weight exists; each rank
+    then fills its own rows: GPT-2's init from the seed (the same on any number of ranks) or its rows of HF files."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     with torch.device("meta"):
         model = GPT(model_config)
@@ -582,10 +560,9 @@ def build_model(model_config, init, cfg, device):
 
 
 def memory_plan(model_config, cfg, world_size, device):
-    """What one rank will hold, estimated before the first step: fp32 parameters, gradients and AdamW's two moments
-    (sharded over the ranks), and one micro-batch's activations kept for backward: about 34 x tokens x n_embd bytes
-    per layer in 16-bit (Korthikanti et al. 2022; flash attention, no T x T scores), or the block inputs only
-    (2 x tokens x n_embd) with activation checkpointing; double in fp32. Warns, naming the keys, when it won't fit."""
+    """What one rank will hold: fp32 parameters, gradients and AdamW's moments (sharded), and one micro-batch's
+    activations: ~34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash attention), the block
+    inputs only with activation checkpointing, double in fp32. Warns, naming the keys, when it will not fit."""
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(model_config).parameters())
     gib = 2**30
@@ -636,9 +613,8 @@ def peak_flops(device):
 # data and evaluation
 
 def build_data(cfg, log):
-    """(train_data, val_data). Train: Megatron's GPTDataset samples in its shuffled order (None under eval_only);
-    max_steps None becomes one epoch. Validation: llm.c's windows of val_data_paths, or the first val_tokens of the
-    Megatron validation split of data_paths, in order; None when val_tokens is 0."""
+    """(train_data, val_data): Megatron's GPTDataset samples (None under eval_only), and llm.c's windows of
+    val_data_paths or the first val_tokens of the Megatron validation split of data_paths, in order (or None)."""
     train_data = None if cfg.eval_only else build_train_data(cfg, log)
     val_data = None
     if cfg.val_tokens and cfg.val_data_paths is not None:
@@ -655,8 +631,7 @@ def build_data(cfg, log):
 
 
 def build_train_data(cfg, log):
-    """The train split. Megatron gives an unweighted list of several prefixes one epoch at most; past that, they are
-    weighted by their token counts (what a Megatron user writes as a blend), each repeated in whole epochs."""
+    """The train split; past one epoch of an unweighted list (Megatron's limit) the prefixes are blended by tokens."""
     num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
     common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0),
                   cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
@@ -677,7 +652,7 @@ def build_train_data(cfg, log):
 
 
 def host_batch(samples, pin):
-    """Dataset samples stacked into (tokens, labels) LongTensors in host memory, pinned for fast copies if `pin`."""
+    """Samples stacked into (tokens, labels) LongTensors on the host, pinned for fast copies if `pin`."""
     tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]))
     labels = torch.from_numpy(np.stack([s["labels"] for s in samples]))
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
@@ -689,8 +664,7 @@ def to_device(batch, device):
 
 
 class Prefetcher:
-    """Reads, stacks and pins the micro-batches of the next steps in a background thread while the current step
-    runs, in the sampler's order. next() returns one step's list of (tokens, labels) on the device."""
+    """The next steps' micro-batches read, stacked and pinned in a background thread, in the sampler's order."""
 
     def __init__(self, dataset, sampler, grad_accum_steps, device, depth=2):
         self.device = device
@@ -715,9 +689,8 @@ class Prefetcher:
 
 @torch.no_grad()
 def validation_loss(model, val_data, batch_size, device, autocast):
-    """Mean cross-entropy per token over every window of `val_data`, all ranks together: rank r scores windows
-    r, r + W, ...; token-weighted sums are all-reduced. Every rank runs the same number of forwards, since a sharded
-    model gathers its weights collectively in each one."""
+    """Mean loss per token over every window of `val_data`: rank r scores windows r, r + W, ..., and every rank runs
+    the same number of forwards (a sharded model's forward is collective)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, len(val_data), world_size))
     num_batches = math.ceil(math.ceil(len(val_data) / world_size) / batch_size)
@@ -738,9 +711,8 @@ def validation_loss(model, val_data, batch_size, device, autocast):
 
 
 class Evaluator:
-    """Validation loss, HellaSwag and a sample at an evaluation step, before that step's update: s:0 is the model at
-    init (HellaSwag and samples only under eval_only), s:max_steps the final one. Every rank takes part: a sharded
-    model's forward is collective."""
+    """Validation loss, HellaSwag and a sample at step s, before its update (s:0 the initial model, HellaSwag and
+    samples there only under eval_only). Every rank takes part."""
 
     def __init__(self, cfg, val_data, vocab_size, device, autocast_dtype, log):
         self.cfg, self.val_data, self.device, self.autocast_dtype, self.log = cfg, val_data, device, autocast_dtype, log
@@ -786,9 +758,8 @@ class Evaluator:
 # the training loop
 
 class StopRequest:
-    """Remembers SIGTERM/SIGINT (preemption, Ctrl-C) so the loop can checkpoint at the next step and exit. A second
-    signal gets the previous handler: Ctrl-C twice interrupts at once. `received` keeps the latest signal number, so
-    a stopped run exits 128 + signum; a run that finished exits 0 even if a signal came during its last step."""
+    """Remembers SIGTERM/SIGINT so the loop can checkpoint and exit 128 + signum; a second signal gets the previous
+    handler (Ctrl-C twice interrupts at once)."""
     received = None
 
     def __init__(self):
@@ -824,35 +795,26 @@ class RunLog:
                 f.write(json.dumps(dict(metrics, time=time.time())) + "\n")
 
 
-def reset_step_peak_memory(device):
-    """Start this step's peak memory: the CUDA allocator's high-water mark, or the CPU's peak resident set size
-    (VmHWM; writing 5 to clear_refs resets it, Linux >= 4.0)."""
+def peak_memory(device, reset=False):
+    """(GiB, label) of the peak memory since the last reset: the CUDA allocator's high-water mark, or the CPU's peak
+    resident set size (VmHWM; writing 5 to clear_refs resets it). Never waits for the device."""
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def step_peak_memory(device):
-    """(GiB, label) of this step's peak since reset_step_peak_memory; never waits for the device."""
-    if device.type == "cuda":
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
     try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
         with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20, "rss"
     except (OSError, StopIteration):
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib / 2**20, "rss"
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
 
 
 class StepLog:
-    """Each step's loss, grad norm and stop flag stay on the device, are copied to the host asynchronously and read
-    once per log_every_steps steps, one step late, so the host never waits for the device in a step. Step times come
-    from CUDA events (or the host clock on the CPU, where every op has finished when it returns)."""
+    """Each step's loss, grad norm and stop flag stay on the device, copied to the host asynchronously and read once
+    per log_every_steps steps, one step late: the host never waits for the device. Times are CUDA events on a GPU."""
 
     def __init__(self, cfg, log, device, flops_per_token, ckpt_root):
         self.cfg, self.log, self.device, self.ckpt_root = cfg, log, device, ckpt_root
@@ -872,7 +834,7 @@ class StepLog:
         return event
 
     def start_step(self):
-        reset_step_peak_memory(self.device)
+        peak_memory(self.device, reset=True)
         self.start = self.clock()
 
     def end_step(self, step, lr, loss, norm, stop):
@@ -885,7 +847,7 @@ class StepLog:
         host = torch.empty(3, pin_memory=self.cuda)
         host.copy_(stats, non_blocking=True)
         end = self.clock()
-        peak_gib, self.memory_label = step_peak_memory(self.device)
+        peak_gib, self.memory_label = peak_memory(self.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
 
@@ -893,8 +855,7 @@ class StepLog:
         return (step + 1) % self.cfg.log_every_steps == 0
 
     def flush(self, keep_last=True):
-        """Log the pending steps (all but the newest when keep_last, so that one keeps running); return whether any
-        rank was asked to stop. A non-finite loss or grad norm raises: the loop never checkpoints after it."""
+        """Log the pending steps (all but the newest when keep_last); return whether any rank was asked to stop."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_last else (self.pending, [])
         stop_requested = False
         for step, lr, host, start, end, peak_gib in ready:
@@ -907,21 +868,17 @@ class StepLog:
                     f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped without saving "
                     f"this state. {last_good_checkpoint(self.ckpt_root)}")
             dt = start.elapsed_time(end) / 1000 if self.cuda else end - start
-            self.log_step(step, lr, train_loss, norm, dt, peak_gib)
+            tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_length / dt
+            mfu = tokens_per_s * self.mfu_scale if self.mfu_scale else None
+            self.log(f"step {step + 1:5d}/{self.cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} "
+                     f"| {dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
+                     + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
+                     + f" | {self.memory_label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
+                     f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
+                     step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000,
+                     tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
+                     consumed_samples=(step + 1) * self.cfg.global_batch_size)
         return stop_requested
-
-    def log_step(self, step, lr, train_loss, norm, dt, peak_gib):
-        cfg = self.cfg
-        tokens_per_s = cfg.global_batch_size * cfg.seq_length / dt
-        mfu = tokens_per_s * self.mfu_scale if self.mfu_scale else None
-        self.log(f"step {step + 1:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} | "
-                 f"{dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
-                 + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
-                 + f" | {self.memory_label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
-                 f"s:{step} trl:{train_loss:.4f} lr:{lr:.6f} norm:{norm:.2f}",
-                 step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000,
-                 tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
-                 consumed_samples=(step + 1) * cfg.global_batch_size)
 
 
 def forward_backward(model, batches, autocast):
@@ -938,8 +895,7 @@ def forward_backward(model, batches, autocast):
 
 
 def setup(cfg, world_size, device):
-    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation.
-    Returns (model, optimizer, step, consumed_samples, train_data, evaluate, step_log, log)."""
+    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation."""
     master = is_master()
     if cfg.global_batch_size % (cfg.local_batch_size * world_size) and not cfg.eval_only:
         raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
@@ -958,8 +914,7 @@ def setup(cfg, world_size, device):
     checked = [cfg.val_data_paths] if cfg.val_data_paths and cfg.val_tokens else []
     if train_data is not None or (val_data is not None and not cfg.val_data_paths):
         checked.append(cfg.data_paths)
-    check_token_range([p for paths in checked for p in resolve_blend(paths)[0]], model_config.vocab_size,
-                      cache_dir=cfg.index_mapping_dir or os.path.join(cfg.out_dir, "index_cache"))
+    check_token_range([p for paths in checked for p in resolve_blend(paths)[0]], model_config.vocab_size)
     if master:
         print(memory_plan(model_config, cfg, world_size, device))
     model = build_model(model_config, init, cfg, device)
@@ -1038,15 +993,15 @@ def train(cfg, rank, world_size, device):
 
 
 def main(argv=None):
-    """Train; return the exit status: 0 when the run finished, 128 + signum when SIGTERM/SIGINT stopped it early
-    (after its checkpoint), so a scheduler sees an interrupted run and requeues it."""
+    """Train; return the exit status: 0 finished, 128 + signum stopped early by SIGTERM/SIGINT after its checkpoint."""
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
     StopRequest.received = None
     try:
         return train(cfg, rank, world_size, device)
     finally:
-        RunLock.release_all()
+        while LOCKS:
+            os.close(LOCKS.pop())  # closing the only descriptor drops the flock
         if dist.is_initialized():
             # free what still refers to the process group (compiled graphs, FSDP state) before destroying it:
             # gloo otherwise aborts now and then at exit ("terminate called without an active exception")

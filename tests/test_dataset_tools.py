@@ -49,20 +49,6 @@ def test_cli_info_and_verify(tmp_path):
     assert result.returncode == 1 and "missing.idx: no such file" in result.stderr
 
 
-def test_cli_verify_cache(tmp_path):
-    prefix = write_ours(str(tmp_path / "d_text_document"), random_documents(np.random.default_rng(1), 200))
-    build_gpt_datasets(prefix, seq_length=16, split="90,8,2", sizes=(500, 50, 5))
-    cache = os.path.join(prefix, "cache", "GPTDataset_indices")
-    result = cli("verify-cache", cache)
-    assert result.returncode == 0 and "4 entries checked" in result.stdout and result.stdout.strip().endswith("OK")
-    [shuffle_index] = glob.glob(os.path.join(cache, "*-GPTDataset-valid-shuffle_index.npy"))
-    corrupt(shuffle_index[:-len(".npy")], ".npy", offset=os.path.getsize(shuffle_index) - 1, data=b"\xff")
-    result = cli("verify-cache", cache)
-    assert result.returncode == 1 and f"{shuffle_index}: its contents differ" in result.stderr
-    result = cli("verify-cache", str(tmp_path))
-    assert result.returncode == 1 and "no index cache entries" in result.stderr
-
-
 def test_token_range_is_computed_once_and_kept_beside_the_data(tmp_path, monkeypatch):
     prefix = write_ours(str(tmp_path / "d_text_document"), [([5, 9, 300], [3]), ([7], [1])])
     assert token_range(prefix) == (5, 300) and token_range(IndexedDataset(prefix))[1] == 300
@@ -81,8 +67,6 @@ def test_token_range_of_a_read_only_directory(tmp_path, monkeypatch):
     prefix = write_ours(str(data / "d_text_document"), [([5, 9, 300], [3])])
     deny_writes(monkeypatch, data)
     assert token_range(prefix)[1] == 300 and not os.path.exists(prefix + ".stats.json")
-    assert token_range(prefix, cache_dir=str(tmp_path / "out"))[1] == 300
-    assert len(glob.glob(str(tmp_path / "out" / "d_text_document-*.stats.json"))) == 1
 
 
 def test_check_token_range_names_the_file(tmp_path):

@@ -194,7 +194,7 @@ def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, cap
 def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", f"import train_gpt2, time; train_gpt2.RunLock.acquire({str(out)!r}); "
+    holder = subprocess.Popen([sys.executable, "-c", f"import train_gpt2, time; train_gpt2.lock_out_dir({str(out)!r}); "
                                f"print('locked', flush=True); time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE,
                               text=True)
     try:
