@@ -210,8 +210,12 @@ def setup_distributed(device_choice="auto", timeout_s=900):
 
 
 # every helper below also works without a process group (one process), so callers never branch on it
+def rank_and_world_size():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def is_master():
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return rank_and_world_size()[0] == 0
 
 
 def barrier():
@@ -691,7 +695,7 @@ class Prefetcher:
 def validation_loss(model, val_data, batch_size, device, autocast):
     """Mean loss per token over every window of `val_data`: rank r scores windows r, r + W, ..., and every rank runs
     the same number of forwards (a sharded model's forward is collective)."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world_size = rank_and_world_size()
     mine = list(range(rank, len(val_data), world_size))
     num_batches = math.ceil(math.ceil(len(val_data) / world_size) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
@@ -741,7 +745,7 @@ class Evaluator:
             log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
                 f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
         if self.hellaswag is not None and (step > 0 or cfg.eval_only):
-            rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            rank, world_size = rank_and_world_size()
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
                                         autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit)
             log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
