@@ -1,7 +1,6 @@
 """What a run does with the out_dir it is given and the checkpoints it finds there: refuses directories that are not
 its own, moves an earlier run's logs aside, counts a checkpoint only when its completeness marker is there, skips damaged checkpoints and keeps them, and turns config-file
 mistakes into one line naming file:line. Single-process runs of the 2-layer byte model from test_train."""
-import json
 import os
 import shutil
 import subprocess
@@ -10,9 +9,9 @@ import sys
 import pytest
 
 from conftest import ROOT
-from model import MARKER, check_checkpoint, complete_checkpoints, read_train_state, resolve_checkpoint
+from model import MARKER, check_checkpoint, complete_checkpoints
 import train_gpt2
-from test_train import checkpoints, data, metrics, tiny, vislog, write_byte_dataset  # noqa: F401 (data: a fixture)
+from conftest import checkpoints, metrics, tiny, vislog
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import ROOT
 import indexed_dataset as dataset_tools
 from indexed_dataset import check_token_range, token_range
-from indexed_dataset import IndexedDataset, build_gpt_datasets
-from test_indexed_dataset import corrupt, deny_writes, random_documents, write_ours
+from indexed_dataset import IndexedDataset
+from conftest import corrupt, deny_writes, random_documents, write_ours
 
 
 def cli(*args):

@@ -19,7 +19,7 @@ from model import check_checkpoint, complete_checkpoints
 import plot_log
 import sample
 import train_gpt2
-from test_train import data, metrics, tiny, wait_for_line  # noqa: F401 (data is a fixture)
+from conftest import metrics, tiny, wait_for_line
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, corrupt, deny_writes, random_documents, write_ours
 from indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, LLMCValWindows, PretrainingSampler,
                              build_gpt_datasets, resolve_blend, sequential_samples, split_matrix)
 
@@ -21,32 +21,6 @@ with warnings.catch_warnings():  # megatron-core warns at import that Transforme
     from megatron.core.datasets.indexed_dataset import DType
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MegatronBuilder
-
-
-def random_documents(rng, count, max_length=60, vocab=1000):
-    """(tokens, lengths) pairs: mostly one sequence, some empty documents, zero-length and two-sequence ones."""
-    documents = []
-    for _ in range(count):
-        kind = rng.random()
-        if kind < 0.05:
-            documents.append((np.zeros(0, np.int64), []))
-        elif kind < 0.08:
-            documents.append((np.zeros(0, np.int64), [0]))
-        elif kind < 0.2:
-            a, b = rng.integers(1, max_length, 2)
-            documents.append((rng.integers(0, vocab, a + b), [int(a), int(b)]))
-        else:
-            n = int(rng.integers(1, max_length))
-            documents.append((rng.integers(0, vocab, n), [n]))
-    return documents
-
-
-def write_ours(prefix, documents, dtype=np.uint16):
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype)
-    for tokens, lengths in documents:
-        builder.add_document(tokens, lengths)
-    builder.finalize(prefix + ".idx")
-    return prefix
 
 
 def write_megatron(prefix, documents, dtype=np.uint16):
@@ -165,17 +139,6 @@ def test_rebuilding_a_prefix_removes_its_old_index_first(dataset):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad files: a clear error naming the file
-
-
-def corrupt(prefix, suffix, offset=None, data=b"", size=None, append=b""):
-    """Overwrite `data` at `offset`, cut the file to `size`, or `append` to it."""
-    path = prefix + suffix
-    content = bytearray(open(path, "rb").read())
-    if offset is not None:
-        content[offset:offset + len(data)] = data
-    if size is not None:
-        content = content[:size]
-    open(path, "wb").write(bytes(content) + append)
 
 
 @pytest.mark.parametrize("damage, error", [
@@ -400,14 +363,6 @@ def test_cache_dir_none_keeps_the_indices_beside_the_data(tmp_path, capfd):
     again = build(prefixes, None)
     assert "built in" not in capfd.readouterr().err  # loaded, not rebuilt
     assert all(same_samples(a, b) for a, b in zip(fresh, again))
-
-
-def deny_writes(monkeypatch, directory):
-    """Make os.access say `directory` and what is under it cannot be written. Tests run as root, for whom os.access
-    ignores the mode bits (a chmod 0o555 alone would not show), so it answers here as it would for a user."""
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: (not str(path).startswith(str(directory))
-                                                          and real_access(path, mode)))
 
 
 @pytest.mark.parametrize("fallback", [True, False])

@@ -11,7 +11,7 @@ import numpy as np
 
 from conftest import ROOT
 from indexed_dataset import build_gpt_datasets
-from test_indexed_dataset import random_documents, write_ours
+from conftest import random_documents, write_ours
 
 SCRIPT = textwrap.dedent("""
     import datetime, hashlib, sys

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 from indexed_dataset import (BlendedDataset, GPTDataset, IndexedDataset, blending_indices, build_gpt_datasets,
                              gpt_indices, split_matrix, split_range, token_weighted_blend)
-from test_indexed_dataset import random_documents, write_ours
+from conftest import random_documents, write_ours
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
     warnings.simplefilter("ignore")

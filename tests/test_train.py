@@ -7,23 +7,21 @@ Tolerances: the same run resumed on the same world size is bit-identical. Across
 splits) fp32 sums are reduced in another order: losses and grad norms agree to 1e-5 absolute over the 60 steps
 (measured: under 1e-6; at lr 1e-2 this tiny model has loss spikes that amplify last-bit differences, so lr is 3e-3).
 """
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, checkpoints, metrics, process_tree, run, tiny, torchrun, vislog, wait_for_line
 from model import load_model, resolve_checkpoint
 import train_gpt2
-from indexed_dataset import IndexedDatasetBuilder, sequential_samples
+from indexed_dataset import sequential_samples
 
 # single-process runs save and load checkpoints without a process group on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -31,71 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 # 1 process vs 2 FSDP2 ranks sum gradients and losses in another order; the largest difference measured on this test
 # was 1.43e-5 (train loss after a cross-world-size resume), so runs on different world sizes agree to 2e-5
 CROSS_WORLD_TOL = 2e-5
-BYTE_EOT = 511
-
-
-def write_byte_dataset(prefix):
-    """Each blank-line separated block of Shakespeare as UTF-8 bytes + an end-of-document token."""
-    with open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8") as f:
-        blocks = [b for b in re.split(r"\n\s*\n", f.read()) if b.strip()]
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    for block in blocks:
-        builder.add_document(np.append(np.frombuffer(block.encode(), dtype=np.uint8), BYTE_EOT).astype(np.uint16))
-    builder.finalize(prefix + ".idx")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("bytes") / "shakespeare_bytes")
-    write_byte_dataset(prefix)
-    return prefix
-
-
-def tiny(data, out_dir, **overrides):
-    """--key=value arguments for a 2-layer model on the byte dataset: 60 steps of 8 x 32 tokens."""
-    config = dict(data_paths=data, index_mapping_dir=os.path.join(os.path.dirname(data), "index_cache"),
-                  split="90,10,0", seq_length=32, n_layer=2, n_head=2, n_embd=32, vocab_size=512,
-                  padded_vocab_size=None, global_batch_size=8, local_batch_size=4, max_steps=60, lr=3e-3,
-                  lr_warmup_steps=2, val_every_steps=10, val_tokens=512, ckpt_every_steps=10, device="cpu",
-                  dtype="float32", compile=False, dist_timeout_s=60, out_dir=str(out_dir))
-    config.update(overrides)
-    return [f"--{key}={value!r}" if isinstance(value, str) else f"--{key}={value}" for key, value in config.items()]
-
-
-def torchrun(args, nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            os.path.join(ROOT, "train_gpt2.py"), *args]
-
-
-def run(cmd, timeout=300):
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-def vislog(path):
-    """main.log read the way llm.c's dev/vislog.ipynb reads it: the first key:value after s:N on each line; a later
-    line for the same step and stream wins."""
-    streams = {}
-    with open(path) as f:
-        for line in f:
-            m = re.match(r"s:(\d+) (\w+):([\d.]+)", line)
-            assert m, f"main.log line vislog cannot parse: {line!r}"
-            streams.setdefault(m.group(2), {})[int(m.group(1))] = float(m.group(3))
-    return streams
-
-
-def metrics(out_dir, key):
-    """{step: value} of a metric in metrics.jsonl (full precision); later records win, as in vislog."""
-    found = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if key in record:
-                found[record["step"]] = record[key]
-    return found
-
-
 def assert_close(a, b, tol):
     assert a.keys() == b.keys()
     worst = max(abs(a[k] - b[k]) for k in a)
@@ -105,41 +38,6 @@ def assert_close(a, b, tol):
 def assert_same_trajectory(run_a, run_b, keys=("train_loss", "val_loss", "grad_norm")):
     for key in keys:
         assert_close(metrics(run_a, key), metrics(run_b, key), CROSS_WORLD_TOL)
-
-
-def checkpoints(out_dir):
-    return sorted(os.listdir(os.path.join(out_dir, "ckpt")))
-
-
-def wait_for_line(path, pattern, proc, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "the run ended before it could be interrupted"
-        if os.path.exists(path):
-            with open(path) as f:
-                if re.search(pattern, f.read(), re.M):
-                    return
-        time.sleep(0.01)
-    raise TimeoutError(f"{pattern} never appeared in {path}")
-
-
-def process_tree(pid):
-    """pid and all its descendants (torchrun starts its workers in their own sessions)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import hellaswag
 import train_gpt2
 from indexed_dataset import IndexedDatasetBuilder
 from tokenizer import EOT_ID, gpt2_encoding
-from test_train import BYTE_EOT, metrics, tiny, vislog
+from conftest import BYTE_EOT, metrics, tiny, vislog
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")

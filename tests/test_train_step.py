@@ -9,7 +9,7 @@ import torch
 
 from conftest import ROOT
 import train_gpt2
-from test_train import data, metrics, tiny  # noqa: F401 (data is a fixture)
+from conftest import metrics, tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 PROJECT_FILES = tuple(os.path.join(ROOT, name) for name in os.listdir(ROOT) if name.endswith(".py"))
