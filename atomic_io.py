@@ -6,6 +6,17 @@ file (or none) and at most a hidden temporary, never a truncated file that looks
 import contextlib
 import os
 
+from safetensors import SafetensorError
+
+
+class WriteError(OSError):
+    """A file could not be written (full disk, read-only directory, a file in the path): one line naming it and why."""
+
+
+def _write_error(path, error):
+    reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[-1]
+    return WriteError(f"cannot write {path}: {reason}")
+
 
 def fsync_dir(path):
     """Make a rename or a new entry in directory `path` durable (a no-op where directories cannot be opened)."""
@@ -23,10 +34,15 @@ def _publishing(path):
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # per process: ranks or workers never share it
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except WriteError:
+            raise
+        except OSError as e:
+            raise _write_error(path, e) from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -43,7 +59,10 @@ def atomic_write(path, mode="wb", **open_kwargs):
 def atomic_save(path, save):
     """Publish what `save(tmp_path)` writes (safetensors, matplotlib) as `path`, like atomic_write."""
     with _publishing(path) as tmp:
-        save(tmp)
+        try:
+            save(tmp)
+        except (RuntimeError, SafetensorError) as e:  # torch's zip writer ("unexpected pos") and safetensors on a full disk
+            raise _write_error(path, e) from e
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # some writers (safetensors) create 0600 files; publish as open() would

@@ -44,3 +44,47 @@ def test_atomic_save_publishes_with_the_default_permissions(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask
+
+
+WRITE_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+import torch
+from safetensors.torch import save_file
+from atomic_io import WriteError, atomic_save, atomic_write
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+big = torch.zeros(100_000)
+def write_bytes(path):
+    with atomic_write(path) as f:
+        f.write(bytes(100_000))
+writers = {
+    "open": write_bytes,
+    "torch.save": lambda p: atomic_save(p, lambda tmp: torch.save(big, tmp)),
+    "safetensors": lambda p: atomic_save(p, lambda tmp: save_file({"w": big}, tmp)),
+}
+for name, write in writers.items():
+    path = sys.argv[1] + "/" + name.replace(".", "_")
+    try:
+        write(path)
+    except WriteError as e:
+        print(name, "|", e)
+"""
+
+
+def test_a_failed_write_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
+    """A full disk surfaces from open() as ENOSPC, from torch.save as "unexpected pos", from safetensors as its own
+    error; each becomes one WriteError line naming the file, and no temporary is left behind."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "-c", WRITE_UNDER_A_SIZE_LIMIT, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    print("\n".join(lines))
+    assert len(lines) == 3
+    for line in lines:
+        name, message = line.split(" | ")
+        assert message.startswith(f"cannot write {tmp_path}/{name.replace('.', '_')}: "), line
+    assert os.listdir(tmp_path) == []
