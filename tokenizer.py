@@ -2,17 +2,22 @@
 
 tiktoken.get_encoding("gpt2") downloads these two files on first use; cluster compute nodes often have no internet,
 so we build the identical encoding from the copies in this repository (checked against the same sha256 sums tiktoken
-uses). `encode_ordinary` treats "<|endoftext|>" in text as ordinary text; EOT is id 50256.
+uses). `encode_ordinary` treats "<|endoftext|>" in text as ordinary text; EOT is id 50256. write_hf_tokenizer puts the
+same tokenizer beside exported weights in the files Hugging Face readers load.
 """
 import hashlib
+import json
 import os
 from functools import lru_cache
+
+from atomic_io import atomic_write
 
 BPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2_bpe")
 SHA256 = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
 }
+EOT = "<|endoftext|>"
 EOT_ID = 50256
 VOCAB_SIZE = 50257
 
@@ -38,6 +43,47 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
         name="gpt2",
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": EOT_ID},
+        special_tokens={EOT: EOT_ID},
         explicit_n_vocab=VOCAB_SIZE,
     )
+
+
+
+# what transformers saves for the hub's gpt2 tokenizer, defaults spelled out so that no reader has to assume them;
+# no clean-up of spaces before punctuation: decode gives back what tiktoken decodes
+HF_TOKENIZER_CONFIG = {
+    "tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024, "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
+    "pad_token": None, "add_bos_token": False, "add_prefix_space": False, "errors": "replace",
+    "clean_up_tokenization_spaces": False,
+    "added_tokens_decoder": {str(EOT_ID): {"content": EOT, "lstrip": False, "normalized": True, "rstrip": False,
+                                           "single_word": False, "special": True}},
+}
+
+
+def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
+    """GPT-2's tokenizer in `directory` as the hub's gpt2 has it: vocab.json and merges.txt (the shipped files),
+    tokenizer.json (the one file tokenizers-only readers load), tokenizer_config.json and special_tokens_map.json."""
+    gpt2_encoding(bpe_dir)  # checks both files' sha256
+    with open(os.path.join(bpe_dir, "encoder.json"), "rb") as f:
+        vocab = f.read()
+    with open(os.path.join(bpe_dir, "vocab.bpe"), "rb") as f:
+        merges = f.read()
+    fast = {  # the same BPE as transformers' GPT2Converter builds it, in the tokenizers library's format
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": EOT_ID, **HF_TOKENIZER_CONFIG["added_tokens_decoder"][str(EOT_ID)]}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True},
+        "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "vocab": json.loads(vocab),
+                  "merges": merges.decode("utf-8").split("\n")[1:-1]},  # after the "#version" line
+    }
+    special = {key: EOT for key in ("bos_token", "eos_token", "unk_token")}
+    os.makedirs(directory, exist_ok=True)
+    for name, content in (("vocab.json", vocab), ("merges.txt", merges),
+                          ("tokenizer.json", json.dumps(fast, ensure_ascii=False).encode("utf-8")),
+                          ("tokenizer_config.json", json.dumps(HF_TOKENIZER_CONFIG, indent=2).encode() + b"\n"),
+                          ("special_tokens_map.json", json.dumps(special, indent=2).encode() + b"\n")):
+        with atomic_write(os.path.join(directory, name)) as f:
+            f.write(content)
