@@ -4,6 +4,7 @@
     python sample.py --model gpt2 --prompt "Hello, I'm a language model," --temperature 0.8
 """
 import argparse
+import math
 import sys
 
 import torch
@@ -15,8 +16,7 @@ from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
 @torch.no_grad()
 def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperature=1.0, top_k=None, seed=1337,
                  device="cpu"):
-    """`num_samples` continuations of `prompt` (each with the prompt in front), reproducible for `seed`; the global RNG
-    state is restored afterwards, so sampling inside a training loop does not change the run."""
+    """Continuations of `prompt`, prompt in front, reproducible by `seed`; the caller's RNG and model mode are kept."""
     if model.config.vocab_size != VOCAB_SIZE:
         raise ValueError(f"the model's vocabulary has {model.config.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}")
     enc = gpt2_encoding()
@@ -39,16 +39,15 @@ def main(argv=None):
     parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     parser.add_argument("--num-samples", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="< 1 sharper, > 1 more random, 0 = always the likeliest token")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy, < 1 sharper, > 1 more random")
     parser.add_argument("--top-k", type=int, default=200, help="sample only among the k likeliest tokens (0 = all)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if args.num_samples < 1 or args.max_new_tokens < 1:
-        parser.error("--num-samples and --max-new-tokens must be at least 1")
-    if args.temperature < 0 or args.top_k < 0:
-        parser.error("--temperature must be >= 0 and --top-k >= 0")
+    if args.num_samples < 1 or args.max_new_tokens < 1 or args.top_k < 0:
+        parser.error("--num-samples and --max-new-tokens must be at least 1, --top-k at least 0")
+    if not 0 <= args.temperature < math.inf:  # nan fails both comparisons
+        parser.error(f"--temperature must be >= 0 and finite, got {args.temperature}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -63,8 +62,7 @@ def main(argv=None):
     except (FileNotFoundError, ValueError, OSError) as e:
         sys.exit(f"sample.py: error: {e}")
     for i, text in enumerate(texts):
-        print(f"--- sample {i + 1}/{len(texts)} ---")
-        print(text)
+        print(f"--- sample {i + 1}/{len(texts)} ---\n{text}")
     return texts
 
 

@@ -68,9 +68,12 @@ def test_cli(hf_dir, capsys, tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(SystemExit, match=r"notes\.txt: a file"):
         sample.main(["--model", str(tmp_path / "notes.txt")])
-    with pytest.raises(SystemExit):
-        sample.main(["--model", hf_dir, "--temperature", "-1"])
-    assert "--temperature must be >= 0" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf", "-inf"):  # refused before the model is read, not a RuntimeError from sampling
+        with pytest.raises(SystemExit):
+            sample.main(["--model", hf_dir, f"--temperature={bad}"])
+        err = capsys.readouterr().err
+        assert err.endswith(f": error: --temperature must be >= 0 and finite, got {float(bad)}\n"), err
+        assert "--temperature must be >= 0" in err
 
 
 def test_small_vocabulary_is_refused():
