@@ -100,7 +100,7 @@ def test_garbage_lines_are_counted_and_skipped(demo_log, tmp_path, capsys):
     assert (tmp_path / "noisy.png").stat().st_size > 20_000
 
 
-def test_bad_input_gives_clear_errors(tmp_path, monkeypatch):
+def test_bad_input_gives_clear_errors(tmp_path, monkeypatch, capsys):
     empty = tmp_path / "empty" / "main.log"
     empty.parent.mkdir()
     empty.write_text("hello\nworld\n")
@@ -114,6 +114,11 @@ def test_bad_input_gives_clear_errors(tmp_path, monkeypatch):
     good.write_text("s:0 tel:10.9\ns:0 trl:10.9 lr:0.0006 norm:1.5\ns:1 trl:9.5 lr:0.0006 norm:1.2\n")
     with pytest.raises(SystemExit, match=r"x\.docx: unsupported image type 'docx'"):
         plot_log.main([str(good), "-o", str(tmp_path / "x.docx")])
+    for bad in ("-1", "0", "nan", "inf"):  # refused, not silently ignored
+        with pytest.raises(SystemExit):
+            plot_log.main([str(good), f"--loss-max={bad}", "-o", str(tmp_path / "x.png")])
+        err = capsys.readouterr().err
+        assert err.endswith(f": error: --loss-max must be a positive finite loss, got {float(bad)}\n"), err
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an environment without matplotlib sees
     with pytest.raises(SystemExit, match=r"needs matplotlib: pip install matplotlib"):
         plot_log.main([str(good), "-o", str(tmp_path / "x.png")])
