@@ -15,12 +15,17 @@ import dataclasses
 import difflib
 import errno
 import fcntl
+import collections
 import gc
+import hashlib
+import importlib.util
+import inspect
 import json
 import math
 import os
 import queue
 import random
+import re
 import resource
 import shutil
 import signal
@@ -40,16 +45,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 
 import hellaswag
-from atomic_io import atomic_write, fsync_dir
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, check_token_range, resolve_blend,
+from atomic_io import atomic_save, atomic_write, fsync_dir
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, data_fingerprints,
                              sequential_samples, token_weighted_blend)
-from model import (GPT, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded, is_run_or_checkpoint,
-                   load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state, resolve_checkpoint,
-                   resolve_pretrained, set_aside)
+from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded,
+                   is_run_or_checkpoint, load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state,
+                   resolve_checkpoint, resolve_pretrained, set_aside)
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
+
 
 @dataclass
 class TrainConfig:
@@ -59,7 +66,7 @@ class TrainConfig:
     split: str = "969,30,1"  # train, validation, test shares of each prefix's documents
     # validation tokens: None = the first val_tokens of the Megatron validation split of data_paths; a prefix (e.g.
     # prepare_fineweb.py's val_text_document) = llm.c's val protocol: windows over [EOT] + its documents in order
-    val_data_paths: str | None = None
+    val_data_paths: str | list | None = None
     seq_length: int = 1024
     # model; when weights come from init_from or a checkpoint, their architecture is used instead
     n_layer: int = 12
@@ -93,6 +100,11 @@ class TrainConfig:
     log_every_steps: int = 1  # loss/norm/timing are read from the device once per this many steps, then all logged
     ckpt_every_steps: int = 1000  # 0 = only at the end and on SIGTERM/SIGINT
     ckpt_keep: int = 2  # complete checkpoints kept, newest first
+    # a resume refuses a change of data_paths, the data itself, split, seed, seq_length or the train split's epochs
+    resume_allow_data_change: bool = False  # True: resume anyway (the sample order then changes from here on)
+    wandb_log: bool = False  # also log every metrics.jsonl record and the config to Weights & Biases (pip install wandb)
+    wandb_project: str = "gpt2"
+    wandb_run_name: str | None = None  # None: the out_dir's name; a resumed run continues the same wandb run
     # system
     seed: int = 1234  # model init and data order
     device: str = "auto"  # auto (cuda when available), cuda, cpu
@@ -111,8 +123,8 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 # config
 
 def parse_config(config_class, argv):
-    """`config_class` from config files (Python, top-level assignments) and --key=value overrides, in order, as
-    nanoGPT's configurator.py; a wrong key or type raises ValueError naming it, and a config file's error file:line."""
+    """`config_class` from config files (Python, top-level assignments; or the seed recipe's YAML) and --key=value
+    overrides, in order, as nanoGPT's configurator.py; a wrong key or type raises ValueError naming it."""
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
 
@@ -129,27 +141,10 @@ def parse_config(config_class, argv):
             raise ValueError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
         return value
 
-    def exec_config(path):
-        namespace = {}
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        try:
-            exec(compile(text, path, "exec"), namespace)
-        except SyntaxError as e:
-            raise ValueError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
-        except SystemExit as e:  # a config must not end the run, least of all with exit status 0
-            raise ValueError(f"{path}: the config file called sys.exit({e.code!r}); a config only assigns values") \
-                from None
-        except Exception as e:
-            line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
-                         if frame.filename == path), "?")
-            raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
-        return namespace
-
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
-                raise ValueError(f"{arg}: write overrides as --key=value")
+                raise ValueError(f"{arg}: write overrides as --key=value (--help lists the keys)")
             key, text = arg[2:].split("=", 1)
             try:
                 value = ast.literal_eval(text)
@@ -161,13 +156,128 @@ def parse_config(config_class, argv):
                 if key not in fields or str not in typing.get_args(fields[key].type) + (fields[key].type,):
                     raise
                 values[key] = text  # --split=969,30,1 means the string, not a tuple
+        elif not os.path.isfile(arg):
+            raise FileNotFoundError(f"{arg}: config file not found")
         else:
-            if not os.path.isfile(arg):
-                raise FileNotFoundError(f"{arg}: config file not found")
-            for key, value in exec_config(arg).items():
-                if not key.startswith("_") and not isinstance(value, types.ModuleType):
-                    values[key] = checked(key, value, arg)
+            read = automodel_yaml if arg.endswith((".yaml", ".yml")) else exec_config
+            for key, value in read(arg).items():
+                values[key] = checked(key, value, arg)
     return config_class(**values)
+
+
+def exec_config(path):
+    """The top-level assignments of a Python config file; its errors as ValueError naming file:line."""
+    namespace = {}
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        exec(compile(text, path, "exec"), namespace)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    except SystemExit as e:  # a config must not end the run, least of all with exit status 0
+        raise ValueError(f"{path}: the config file called sys.exit({e.code!r}); a config only assigns values") from None
+    except Exception as e:
+        line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
+                     if frame.filename == path), "?")
+        raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+
+
+# NeMo AutoModel's megatron_pretrain_gpt2.yaml, the recipe this project answers: its keys and ours
+AUTOMODEL_KEYS = {
+    "step_scheduler.global_batch_size": "global_batch_size", "step_scheduler.local_batch_size": "local_batch_size",
+    "step_scheduler.ckpt_every_steps": "ckpt_every_steps", "step_scheduler.val_every_steps": "val_every_steps",
+    "step_scheduler.max_steps": "max_steps", "rng.seed": "seed", "seed": "seed", "dataset.paths": "data_paths",
+    "dataset.index_mapping_dir": "index_mapping_dir", "dataset.seq_length": "seq_length", "dataset.split": "split",
+    "optimizer.lr": "lr", "optimizer.weight_decay": "weight_decay", "optimizer.eps": "adam_eps",
+    "lr_scheduler.lr_warmup_steps": "lr_warmup_steps", "lr_scheduler.min_lr": "min_lr",
+    "checkpoint.checkpoint_dir": "out_dir", "wandb.project": "wandb_project", "wandb.name": "wandb_run_name",
+}
+# keys that do not change what is trained (AutoModel's classes for the same loader, loss and sharding); a trailing
+# dot names a whole section
+AUTOMODEL_SAME = ("dataloader.", "validation_dataloader.", "loss_fn.", "dataset.tokenizer.",
+                  "validation_dataset.tokenizer.", "dataset.splits_to_build", "validation_dataset.splits_to_build",
+                  "step_scheduler.num_epochs", "rng.ranked", "dist_env.backend", "checkpoint.enabled",
+                  "checkpoint.model_save_format", "checkpoint.save_consolidated", "model.is_meta_device",
+                  "distributed.dp_size", "distributed.dp_replicate_size", "distributed.strategy", "wandb.entity",
+                  "wandb.save_dir", "validation_dataset.paths", "validation_dataset.index_mapping_dir",
+                  "validation_dataset.split", "validation_dataset.seq_length")
+GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+              "gpt2-xl": (48, 25, 1600)}
+
+
+def automodel_yaml(path):
+    """Our config keys from the seed recipe's YAML; a key that would change the run and has no counterpart here is
+    named in one error, the ones that change nothing in one line."""
+    import yaml  # installed with huggingface_hub
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = yaml.safe_load(f)
+        items = dict(flat(tree))
+    except (yaml.YAMLError, AttributeError) as e:
+        raise ValueError(f"{path}: not a YAML mapping of the recipe's sections: {str(e).splitlines()[0]}") from None
+    ours, same, unsupported = {}, [], []
+    for key, value in items.items():
+        if key in AUTOMODEL_KEYS:
+            ours[AUTOMODEL_KEYS[key]] = value
+        elif key == "optimizer.betas":
+            ours["beta1"], ours["beta2"] = map(float, value)
+        elif key == "dist_env.timeout_minutes":
+            ours["dist_timeout_s"] = int(value * 60)
+        elif key == "validation_dataset.num_val_samples":
+            ours["val_tokens"] = value * items.get("dataset.seq_length", 1024)
+        elif key == "model.config.pretrained_model_name_or_path" and os.path.basename(str(value)) in GPT2_SIZES:
+            ours["n_layer"], ours["n_head"], ours["n_embd"] = GPT2_SIZES[os.path.basename(str(value))]
+        elif key == "optimizer._target_" and not re.search(r"AdamW|FusedAdam", str(value)):
+            unsupported.append(f"{key}={value!r}")  # any AdamW (torch's or Transformer Engine's) computes the same
+        elif key == "lr_scheduler.lr_decay_style" and value == "cosine" or key.endswith("_target_") or \
+                key in ("distributed.tp_size", "distributed.cp_size", "distributed.pp_size") and value in (1, None) or \
+                key == "distributed.sequence_parallel" and not value or \
+                any(key == p or p.endswith(".") and key.startswith(p) for p in AUTOMODEL_SAME):
+            same.append(key)
+        else:
+            unsupported.append(f"{key}={value!r}")
+    for key in ("paths", "split", "seq_length"):
+        theirs = items.get(f"validation_dataset.{key}", items.get(f"dataset.{key}"))
+        if theirs != items.get(f"dataset.{key}"):
+            unsupported.append(f"validation_dataset.{key}={theirs!r} (validation is a split of dataset.paths here)")
+    if unsupported:
+        raise ValueError(f"{path}: not supported by train_gpt2.py: {', '.join(unsupported)}")
+    if "wandb.project" in items or "wandb.name" in items:
+        ours["wandb_log"] = True
+    if ours.get("max_steps") == -1:
+        ours["max_steps"] = None
+    if is_master_env():
+        print(f"{path}: AutoModel recipe read as " + " ".join(f"--{k}={v!r}" for k, v in ours.items())
+              + f"; same behaviour here, nothing to map: {', '.join(same)}")
+    return ours
+
+
+def is_master_env():
+    """Rank 0 (or no torchrun), before the process group exists."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def config_help():
+    """Every TrainConfig key with its type, default and comment, grouped as in the dataclass (its source is the doc)."""
+    lines = ["usage: [torchrun ...] train_gpt2.py [CONFIG.py | RECIPE.yaml] ... [--key=value ...]",
+             "Config files (Python assignments, or NeMo AutoModel's YAML recipe) and overrides apply in order.",
+             "Keys, as --key: type = default  # what it does:"]
+    for line in inspect.getsource(TrainConfig).splitlines()[2:]:
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        if not code:  # a comment line opens a group
+            lines.append(("\n" if lines[-1].startswith("  --") else "") + f"# {comment}")
+        else:
+            lines.append(f"  --{code}" + (f"  # {comment}" if comment else ""))
+    return "\n".join(lines)
 
 
 def load_config(argv):
@@ -187,6 +297,12 @@ def load_config(argv):
             raise ValueError(f"config: {key} must be one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
     if 0 < cfg.val_tokens < cfg.seq_length:
         raise ValueError(f"config: val_tokens {cfg.val_tokens} is less than one sequence of {cfg.seq_length}")
+    if cfg.wandb_log and importlib.util.find_spec("wandb") is None:
+        raise ValueError("config: wandb_log=True needs the wandb package: pip install wandb")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if cfg.global_batch_size % (cfg.local_batch_size * world_size) and not cfg.eval_only:
+        raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
+                         f"{cfg.local_batch_size} x world size {world_size} = {cfg.local_batch_size * world_size}")
     return cfg
 
 
@@ -313,7 +429,7 @@ def os_error_message(e):
 
 def prepare_out_dir(cfg):
     """Check and lock out_dir (rank 0, for the whole run), remove interrupted checkpoint writes, move an earlier run's
-    logs aside, write train_config.json; return (ckpt_root, the newest usable checkpoint or None)."""
+    logs aside; return (ckpt_root, the newest usable checkpoint or None)."""
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
 
     def work():
@@ -335,9 +451,6 @@ def prepare_out_dir(cfg):
                 messages.append(f"{path} of an earlier run moved to {path}.{k}")
         for message in messages:
             print(message)
-        with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
         return resume_path
 
     return ckpt_root, on_rank0(work)
@@ -363,6 +476,16 @@ def assert_finite(model, what, ckpt_root):
                                  + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
 
 
+def state_is_sane(model, optimizer):
+    """Whether this rank's weights and AdamW moments are finite and exp_avg_sq >= 0, in one device reduction."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    checks = [torch.isfinite(local(p)).all() for p in model.parameters()]
+    for state in optimizer.state.values():
+        sq = local(state["exp_avg_sq"])
+        checks += [torch.isfinite(local(state["exp_avg"])).all(), (torch.isfinite(sq) & (sq >= 0)).all()]
+    return bool(torch.stack(checks).all())
+
+
 def fsync_tree(path):
     """fsync every file in directory `path`, then the directory; returns {file name: size} for the marker."""
     sizes = {}
@@ -375,14 +498,15 @@ def fsync_tree(path):
 
 
 def checkpoint_write_error(e, path):
-    """An OSError naming `path` for a failed checkpoint write (DCP wraps each rank's exception), or None."""
-    for rank, failure in sorted((getattr(e, "failures", None) or {}).items()):
-        cause = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(cause, OSError):
-            return OSError(cause.errno, f"writing checkpoint {path} failed on rank {rank}: {cause.strerror or cause}",
-                           cause.filename)
-    if isinstance(e, OSError):
-        return OSError(e.errno, f"writing checkpoint {path} failed: {e.strerror or e}", e.filename)
+    """An OSError naming `path` for a failed checkpoint write, or None. DCP wraps each rank's exception; a full disk
+    surfaces as an OSError or as torch's zip writer's RuntimeError ("unexpected pos")."""
+    failures = [(f" on rank {rank}", failure[0] if isinstance(failure, tuple) else failure)
+                for rank, failure in sorted((getattr(e, "failures", None) or {}).items())]
+    for where, cause in failures or [("", e)]:
+        if isinstance(cause, (OSError, RuntimeError)) and not isinstance(cause, CheckpointException):
+            reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
+            message, code = f"writing checkpoint {path} failed{where}: {reason}", getattr(cause, "errno", None)
+            return OSError(code, message) if code else OSError(message)
     return None
 
 
@@ -406,8 +530,7 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
         if master:  # dcp.save returns on rank 0 after every rank's files are written
             rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                        cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-            with atomic_write(os.path.join(tmp, "rng.pt")) as f:
-                torch.save(rng, f)
+            atomic_save(os.path.join(tmp, "rng.pt"), lambda name: torch.save(rng, name))
             with atomic_write(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
                 json.dump(train_state, f, indent=2)
             sizes = fsync_tree(tmp)
@@ -440,6 +563,8 @@ def load_checkpoint(ckpt_path, model, optimizer):
             state = {"model": model_state, "optim": optim_state}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            if not state_is_sane(model, optimizer):
+                raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite Adam moment")
             # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all
             rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
             torch.set_rng_state(rng["torch"])
@@ -460,23 +585,74 @@ def load_checkpoint(ckpt_path, model, optimizer):
                      f"*.damaged-*); start a fresh run in another out_dir")
 
 
-def resume(resume_path, model, optimizer, cfg):
-    """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run."""
+# what decides which tokens a run sees and in what order (with the data itself and the train split's epochs)
+DATA_KEYS = ("data_paths", "split", "seed", "seq_length")
+
+
+def resume(resume_path, model, optimizer, cfg, data_state, log):
+    """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run. A
+    change to the tokens the run sees, or to their order, is refused unless resume_allow_data_change."""
     if resume_path is None:
         return 0, 0
     train_state = load_checkpoint(resume_path, model, optimizer)
-    step = train_state["step"]
-    saved_batch = train_state["config"]["global_batch_size"]
-    if saved_batch != cfg.global_batch_size and not cfg.eval_only:
-        # the data order and the lr schedule are counted in steps of the saved global batch
-        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {saved_batch}, the config now "
-                         f"says {cfg.global_batch_size}; resume with --global_batch_size={saved_batch} (any number "
-                         f"of ranks and any local_batch_size that divides it work), or start a new out_dir")
-    if cfg.max_steps is not None and step > cfg.max_steps:
-        raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
+    step, saved = train_state["step"], train_state["config"]
     for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
         group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    if cfg.eval_only:  # evaluation reads no training data and needs no step budget
+        return step, train_state["consumed_samples"]
+    if saved["global_batch_size"] != cfg.global_batch_size:
+        # the data order and the lr schedule are counted in steps of the saved global batch
+        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {saved['global_batch_size']}, "
+                         f"the config now says {cfg.global_batch_size}; resume with --global_batch_size="
+                         f"{saved['global_batch_size']} (any number of ranks and local_batch_size dividing it work)")
+    if step > cfg.max_steps:
+        raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
+    changes = [f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}" for key in DATA_KEYS if saved[key] != getattr(cfg, key)]
+    before, now = train_state["data"], data_state["data"]
+    changes += [f"data {prefix} fingerprint {before.get(prefix, 'absent')[:12]} -> {now.get(prefix, 'absent')[:12]}"
+                for prefix in sorted(set(before) | set(now)) if before.get(prefix) != now.get(prefix)]
+    if not changes and train_state["sample_order"] != data_state["sample_order"]:
+        changes.append(f"max_steps {saved['max_steps']} -> {cfg.max_steps} (the train split is then built in other "
+                       f"epochs: another sample order)")
+    if changes and not cfg.resume_allow_data_change:
+        raise ValueError(f"{resume_path}: resuming would change the tokens the run sees or their order: "
+                         f"{'; '.join(changes)}; undo it, use a new out_dir, or set --resume_allow_data_change=True")
+    if changes:
+        log(f"resuming with changed data (resume_allow_data_change): {'; '.join(changes)}")
+    if saved["max_steps"] != cfg.max_steps:
+        log(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the cosine decay to min_lr {cfg.min_lr:g} now ends "
+            f"at step {cfg.max_steps}; lr at step {step} is {lr_at(step, cfg):.3e}")
     return step, train_state["consumed_samples"]
+
+
+def sample_order(dataset):
+    """A digest of the train split's sample order (documents, sample boundaries, shuffle, blend)."""
+    digest = hashlib.sha256()
+    for part in [dataset] + list(getattr(dataset, "datasets", [])):
+        for name in ("document_index", "sample_index", "shuffle_index", "dataset_index", "dataset_sample_index"):
+            if hasattr(part, name):
+                digest.update(np.ascontiguousarray(getattr(part, name)).data)
+    return digest.hexdigest()
+
+
+def already_complete(cfg, resume_path):
+    """Whether out_dir holds the run's last checkpoint and its hf/ export: a rerun then has nothing to do."""
+    if resume_path is None or cfg.eval_only:
+        return False
+    train_state = read_train_state(resume_path)
+    try:
+        with open(os.path.join(cfg.out_dir, "hf", HF_MARKER), encoding="utf-8") as f:
+            exported = json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return train_state["step"] == (cfg.max_steps or train_state["config"]["max_steps"]) == exported
+
+
+def write_run_config(cfg):
+    """train_config.json: the config this run trains with, written once it is known to be accepted."""
+    with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    print(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
 def publish_hf(model, cfg):
@@ -539,6 +715,8 @@ def build_model(model_config, init, cfg, device):
     """The model, built on the meta device and (under torchrun) sharded with FSDP2 before any weight exists; each rank
     then fills its own rows: GPT-2's init from the seed (the same on any number of ranks) or its rows of HF files."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # the mesh of the run's device type: fully_shard's default follows the accelerator, not the process group
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if dist.is_initialized() else None
     with torch.device("meta"):
         model = GPT(model_config)
     model.activation_checkpointing = cfg.activation_checkpointing  # per block, inside FSDP's and compile's wrapping
@@ -548,9 +726,9 @@ def build_model(model_config, init, cfg, device):
         if cfg.compile:
             block.compile()  # before sharding: no graph breaks at FSDP's hooks and state-dict names stay the same
         if dist.is_initialized():
-            fully_shard(block, mp_policy=mp_policy)
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     if dist.is_initialized():
-        fully_shard(model, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     model.to_empty(device=device)
     if not dist.is_initialized():  # to_empty() gave a plain model two embedding tensors: tie them again
         model.lm_head.weight = model.transformer.wte.weight
@@ -564,28 +742,42 @@ def build_model(model_config, init, cfg, device):
 
 
 def memory_plan(model_config, cfg, world_size, device):
-    """What one rank will hold: fp32 parameters, gradients and AdamW's moments (sharded), and one micro-batch's
-    activations: ~34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash attention), the block
-    inputs only with activation checkpointing, double in fp32. Warns, naming the keys, when it will not fit."""
+    """(text, GiB) of what one rank will hold at its peak, warning with the keys to change when it will not fit:
+    - fp32 parameters, gradients and AdamW's two moments (optimizer), sharded: 16 bytes per parameter / world size;
+    - under FSDP2 with gradient accumulation, the unsharded fp32 gradients it accumulates between reductions (4 bytes
+      per parameter), and its bf16 all-gathered block weights (two blocks in flight);
+    - with bf16 autocast on one device, the bf16 copies of the weights (2 bytes per parameter);
+    - one micro-batch's activations: ~34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash
+      attention), only the block inputs with activation checkpointing, double in fp32;
+    - the loss head's chunk: its fp32 logits, their exponentials and their gradient (3 x rows x padded vocab x 4)."""
     with torch.device("meta"):
-        n = sum(p.numel() for p in GPT(model_config).parameters())
-    gib = 2**30
-    shard = 4 * n / world_size / gib
+        model = GPT(model_config)
+    n = sum(p.numel() for p in model.parameters())
+    n_block = sum(p.numel() for p in model.transformer.h[0].parameters())
+    gib, sharded = 2**30, dist.is_initialized()
     act_bytes = 2 if cfg.dtype == "bfloat16" else 4
+    accumulating = cfg.global_batch_size > cfg.local_batch_size * world_size
     tokens = cfg.local_batch_size * cfg.seq_length
-    per_layer = (1 if cfg.activation_checkpointing else 17) * act_bytes * tokens * model_config.n_embd
-    activations = per_layer * model_config.n_layer / gib
-    total = 4 * shard + activations
+    vocab = model_config.padded_vocab_size or model_config.vocab_size
+    parts = {
+        "parameters": 4 * n / world_size, "gradients": 4 * n / world_size, "optimizer": 8 * n / world_size,
+        "FSDP2 gradient accumulators": 4 * n if sharded and accumulating else 0,
+        "FSDP2 gathered blocks": 2 * act_bytes * n_block if sharded else 0,
+        "autocast copies": 2 * n if not sharded and cfg.dtype == "bfloat16" else 0,
+        "activations": (1 if cfg.activation_checkpointing else 17) * act_bytes * tokens * model_config.n_embd
+        * model_config.n_layer,
+        "loss head chunk": 3 * min(tokens, LOSS_CHUNK_ROWS.get(device.type, 1024)) * vocab * 4,
+    }
+    total = sum(parts.values()) / gib
     free = torch.cuda.mem_get_info(device)[0] / gib if device.type == "cuda" else None
-    plan = (f"memory plan per rank ({world_size} rank(s), {cfg.dtype}): parameters {shard:.2f} GiB, gradients "
-            f"{shard:.2f} GiB, optimizer {2 * shard:.2f} GiB, activations of one micro-batch of {tokens:,} tokens "
-            f"~{activations:.2f} GiB (estimated), total ~{total:.2f} GiB; device free "
-            + (f"{free:.1f} GiB" if free is not None else "n/a (CPU)"))
+    plan = (f"memory plan per rank ({world_size} rank(s), {cfg.dtype}, micro-batch {tokens:,} tokens): "
+            + ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items() if size)
+            + f"; total ~{total:.2f} GiB (estimated); device free " + (f"{free:.1f} GiB" if free else "n/a (CPU)"))
     if free is not None and total > 0.9 * free:
         plan += ("\nWARNING: this may not fit: lower local_batch_size"
                  + ("" if cfg.activation_checkpointing else " or set activation_checkpointing=True")
                  + ", or use more ranks")
-    return plan
+    return plan, total
 
 
 def build_optimizer(model, cfg, device):
@@ -655,10 +847,18 @@ def build_train_data(cfg, log):
     return train_data
 
 
-def host_batch(samples, pin):
-    """Samples stacked into (tokens, labels) LongTensors on the host, pinned for fast copies if `pin`."""
-    tokens = torch.from_numpy(np.stack([s["tokens"] for s in samples]))
-    labels = torch.from_numpy(np.stack([s["labels"] for s in samples]))
+def host_batch(dataset, indices, vocab_size, pin):
+    """Samples `indices` of `dataset` stacked into (tokens, labels) LongTensors on the host, pinned for fast copies if
+    `pin`. A token id outside the vocabulary (bit rot in a .bin) is named here: on a GPU it would be a device-side
+    assert that ends every rank."""
+    samples = [dataset[i] for i in indices]
+    tokens, labels = np.stack([s["tokens"] for s in samples]), np.stack([s["labels"] for s in samples])
+    top = np.maximum(tokens.max(axis=1), labels.max(axis=1))  # on the host: no device sync
+    if top.max() >= vocab_size:
+        row = int(top.argmax())
+        where = dataset.describe(indices[row]) if hasattr(dataset, "describe") else f"sample {indices[row]}"
+        raise ValueError(f"token id {top[row]} in {where} is outside the model's vocabulary (vocab_size {vocab_size})")
+    tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 
 
@@ -670,17 +870,18 @@ def to_device(batch, device):
 class Prefetcher:
     """The next steps' micro-batches read, stacked and pinned in a background thread, in the sampler's order."""
 
-    def __init__(self, dataset, sampler, grad_accum_steps, device, depth=2):
+    def __init__(self, dataset, sampler, grad_accum_steps, vocab_size, device, depth=2):
         self.device = device
         self.queue = queue.Queue(maxsize=depth)
-        self.thread = threading.Thread(target=self.produce, args=(dataset, sampler, grad_accum_steps), daemon=True)
+        self.thread = threading.Thread(target=self.produce, args=(dataset, sampler, grad_accum_steps, vocab_size),
+                                       daemon=True)
         self.thread.start()
 
-    def produce(self, dataset, sampler, grad_accum_steps):
+    def produce(self, dataset, sampler, grad_accum_steps, vocab_size):
         pin = self.device.type == "cuda"
         try:
             while True:
-                self.queue.put([host_batch([dataset[i] for i in next(sampler)], pin) for _ in range(grad_accum_steps)])
+                self.queue.put([host_batch(dataset, next(sampler), vocab_size, pin) for _ in range(grad_accum_steps)])
         except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
             self.queue.put(e)
 
@@ -692,17 +893,20 @@ class Prefetcher:
 
 
 @torch.no_grad()
-def validation_loss(model, val_data, batch_size, device, autocast):
+def validation_loss(model, val_data, batch_size, device, autocast, vocab_size, stop):
     """Mean loss per token over every window of `val_data`: rank r scores windows r, r + W, ..., and every rank runs
-    the same number of forwards (a sharded model's forward is collective)."""
+    the same number of forwards (a sharded model's forward is collective). None when a stop was requested."""
     rank, world_size = rank_and_world_size()
     mine = list(range(rank, len(val_data), world_size))
     num_batches = math.ceil(math.ceil(len(val_data) / world_size) / batch_size)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
     model.eval()
     for b in range(num_batches):
+        if any_rank(stop.signal is not None):  # between batches: a stop never waits behind an evaluation
+            model.train()
+            return None
         indices = mine[b * batch_size:(b + 1) * batch_size]
-        tokens, labels = to_device(host_batch([val_data[i] for i in (indices or [0])], device.type == "cuda"), device)
+        tokens, labels = to_device(host_batch(val_data, indices or [0], vocab_size, device.type == "cuda"), device)
         with autocast:
             _, loss = model(tokens, labels)
         if indices:
@@ -720,6 +924,7 @@ class Evaluator:
 
     def __init__(self, cfg, val_data, vocab_size, device, autocast_dtype, log):
         self.cfg, self.val_data, self.device, self.autocast_dtype, self.log = cfg, val_data, device, autocast_dtype, log
+        self.vocab_size = vocab_size
         self.sample_tokens = cfg.sample_tokens if vocab_size == VOCAB_SIZE else 0
         if cfg.sample_tokens and not self.sample_tokens:
             log(f"sample_tokens ignored: the vocabulary ({vocab_size} tokens) is not GPT-2's")
@@ -734,11 +939,15 @@ class Evaluator:
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
-    def __call__(self, model, step):
+    def __call__(self, model, step, stop):
+        """Whether the evaluation ran to its end (False: a stop was requested during it)."""
         cfg, log = self.cfg, self.log
         if self.val_data is not None:
             t0 = time.perf_counter()
-            val_loss = validation_loss(model, self.val_data, cfg.local_batch_size, self.device, self.autocast())
+            val_loss = validation_loss(model, self.val_data, cfg.local_batch_size, self.device, self.autocast(),
+                                       self.vocab_size, stop)
+            if val_loss is None:
+                return False
             if not math.isfinite(val_loss):
                 raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped without saving "
                                          f"this state")
@@ -756,6 +965,7 @@ class Evaluator:
                 text = sample_texts(model, "", max_new_tokens=self.sample_tokens, seed=cfg.seed + step,
                                     device=self.device)[0]
             log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
+        return True
 
 
 # -----------------------------------------------------------------------------
@@ -767,11 +977,11 @@ class StopRequest:
     received = None
 
     def __init__(self):
-        self.signal = None
+        self.signal = self.time = None
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        self.signal, self.time = signal.Signals(signum).name, time.perf_counter()
         StopRequest.received = signum
         self.restore()
 
@@ -781,10 +991,25 @@ class StopRequest:
 
 
 class RunLog:
-    """On rank 0: a console line, a main.log line (llm.c's format, read by its vislog) and a metrics.jsonl record."""
+    """On rank 0: a console line, a main.log line (llm.c's format, read by its vislog), a metrics.jsonl record and,
+    with wandb_log, the same record in Weights & Biases."""
 
     def __init__(self, out_dir):
-        self.out_dir, self.master = out_dir, is_master()
+        self.out_dir, self.master, self.wandb = out_dir, is_master(), None
+
+    def start_wandb(self, cfg, resumed):
+        """One wandb run per out_dir: its id is kept in out_dir/wandb_run_id, so a resumed run continues it."""
+        if not (self.master and cfg.wandb_log):
+            return
+        import wandb
+        id_path = os.path.join(cfg.out_dir, "wandb_run_id")
+        run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else wandb.util.generate_id()
+        with atomic_write(id_path, "w") as f:
+            f.write(run_id)
+        self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=cfg.out_dir,
+                                name=cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir)),
+                                config=dataclasses.asdict(cfg))
+        self.wandb.define_metric("*", step_metric="step")  # plotted against the training step, not wandb's counter
 
     def __call__(self, text, main_log=None, **metrics):
         if not self.master:
@@ -797,6 +1022,12 @@ class RunLog:
         if metrics:
             with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(dict(metrics, time=time.time())) + "\n")
+            if self.wandb is not None:
+                self.wandb.log(metrics)
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def peak_memory(device, reset=False):
@@ -827,6 +1058,7 @@ class StepLog:
         peak = peak_flops(device)
         self.mfu_scale = flops_per_token / (peak * self.world_size) if peak else None
         self.pending = []  # (step, lr, host stats, start, end, peak GiB): start/end are CUDA events or host times
+        self.recent = collections.deque(maxlen=2)  # (end, host stats) of the last two steps, for the stop flag
         self.stop_flag = torch.zeros((), device=device)
         self.run_peak_gib = 0.0
 
@@ -854,19 +1086,30 @@ class StepLog:
         peak_gib, self.memory_label = peak_memory(self.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
+        self.recent.append((end, host))
+
+    def stop_requested(self, stop):
+        """Whether a rank was asked to stop, agreed by every rank at every step from numbers the host already has: on
+        a GPU the previous step's (the host never waits for the step it just queued), on a CPU this step's."""
+        if self.world_size == 1:
+            return stop.signal is not None
+        if self.cuda and len(self.recent) < 2:
+            return False
+        end, host = self.recent[0] if self.cuda else self.recent[-1]
+        if self.cuda:
+            end.synchronize()
+        return host[2].item() > 0
 
     def due(self, step):
         return (step + 1) % self.cfg.log_every_steps == 0
 
     def flush(self, keep_last=True):
-        """Log the pending steps (all but the newest when keep_last); return whether any rank was asked to stop."""
+        """Log the pending steps (all but the newest when keep_last)."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_last else (self.pending, [])
-        stop_requested = False
         for step, lr, host, start, end, peak_gib in ready:
             if self.cuda:
                 end.synchronize()  # this step's device work, the copy of its numbers included, is done
-            train_loss, norm, stop_count = (host / torch.tensor([self.world_size, self.world_size, 1])).tolist()
-            stop_requested |= stop_count > 0
+            train_loss, norm, _ = (host / torch.tensor([self.world_size, self.world_size, 1])).tolist()
             if not (math.isfinite(train_loss) and math.isfinite(norm)):
                 raise FloatingPointError(
                     f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped without saving "
@@ -874,7 +1117,7 @@ class StepLog:
             dt = start.elapsed_time(end) / 1000 if self.cuda else end - start
             tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_length / dt
             mfu = tokens_per_s * self.mfu_scale if self.mfu_scale else None
-            self.log(f"step {step + 1:5d}/{self.cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} "
+            self.log(f"step {step:5d}/{self.cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.2e} | norm {norm:.4f} "
                      f"| {dt * 1000:.1f} ms | {tokens_per_s:,.0f} tok/s | MFU "
                      + (f"{100 * mfu:.1f}%" if mfu is not None else "n/a")
                      + f" | {self.memory_label} {peak_gib:.2f} GiB (run peak {self.run_peak_gib:.2f})",
@@ -882,7 +1125,6 @@ class StepLog:
                      step=step, train_loss=train_loss, lr=lr, grad_norm=norm, step_ms=dt * 1000,
                      tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_gib=peak_gib, run_peak_mem_gib=self.run_peak_gib,
                      consumed_samples=(step + 1) * self.cfg.global_batch_size)
-        return stop_requested
 
 
 def forward_backward(model, batches, autocast):
@@ -898,14 +1140,13 @@ def forward_backward(model, batches, autocast):
     return loss_sum / len(batches)
 
 
-def setup(cfg, world_size, device):
-    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation."""
-    master = is_master()
-    if cfg.global_batch_size % (cfg.local_batch_size * world_size) and not cfg.eval_only:
-        raise ValueError(f"config: global_batch_size {cfg.global_batch_size} is not divisible by local_batch_size "
-                         f"{cfg.local_batch_size} x world size {world_size} = {cfg.local_batch_size * world_size}")
-    log = RunLog(cfg.out_dir)
+def setup(cfg, world_size, device, log):
+    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation;
+    None when the run is already complete."""
     ckpt_root, resume_path = prepare_out_dir(cfg)
+    if on_rank0(lambda: already_complete(cfg, resume_path)):
+        log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
+        return None
     train_data, val_data = build_data(cfg, log)
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
         f"{max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))}; "
@@ -914,13 +1155,8 @@ def setup(cfg, world_size, device):
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's context "
                          f"({model_config.block_size} positions)")
-    # a token id outside the vocabulary would be a device-side assert on a GPU: check each dataset's range once
-    checked = [cfg.val_data_paths] if cfg.val_data_paths and cfg.val_tokens else []
-    if train_data is not None or (val_data is not None and not cfg.val_data_paths):
-        checked.append(cfg.data_paths)
-    check_token_range([p for paths in checked for p in resolve_blend(paths)[0]], model_config.vocab_size)
-    if master:
-        print(memory_plan(model_config, cfg, world_size, device))
+    plan, plan_gib = memory_plan(model_config, cfg, world_size, device)
+    log(plan, memory_plan_gib=plan_gib, memory_baseline_gib=peak_memory(device, reset=True)[0])
     model = build_model(model_config, init, cfg, device)
     if init[0] == "checkpoint" and resume_path is None:  # init_from another run: its weights, a fresh optimizer
         load_weights(init[1], model)
@@ -928,7 +1164,11 @@ def setup(cfg, world_size, device):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    step, consumed_samples = resume(resume_path, model, optimizer, cfg)
+    data_state = {} if train_data is None else dict(data=on_rank0(lambda: data_fingerprints(cfg.data_paths)),
+                                                    sample_order=sample_order(train_data))
+    step, consumed_samples = resume(resume_path, model, optimizer, cfg, data_state, log)
+    on_rank0(lambda: write_run_config(cfg))
+    log.start_wandb(cfg, resumed=resume_path is not None)
     # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
     autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, autocast_dtype, log)
@@ -938,27 +1178,43 @@ def setup(cfg, world_size, device):
         f"{flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
         + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
     step_log = StepLog(cfg, log, device, flops_per_token, ckpt_root)
-    return model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root
+    return model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data_state
 
 
 def train(cfg, rank, world_size, device):
-    model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root = setup(cfg, world_size,
-                                                                                                device)
-    if cfg.eval_only:
-        evaluate(model, step)
-        return 0
-    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
-    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples, cfg.local_batch_size,
-                                      rank, world_size))
-    batches = Prefetcher(train_data, sampler, grad_accum_steps, device)
-    autocast = evaluate.autocast()
-    stop = StopRequest()
+    log, stop = RunLog(cfg.out_dir), StopRequest()
     try:
+        state = setup(cfg, world_size, device, log)
+        if state is None:
+            return 0
+        model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data_state = state
+        if cfg.eval_only:
+            evaluate(model, step, stop)
+            return 0
+        grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
+        sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples,
+                                          cfg.local_batch_size, rank, world_size))
+        batches = Prefetcher(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
+        autocast = evaluate.autocast()
+
+        def save(done, stopping=False):
+            t0 = time.perf_counter()
+            train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
+                               model_config=dataclasses.asdict(model.config), config=dataclasses.asdict(cfg),
+                               **data_state)
+            path = save_checkpoint(ckpt_root, model, optimizer, train_state, cfg.ckpt_keep)
+            log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+            if stopping:  # exit 128 + signum (143 for SIGTERM), also on ranks that only heard of it
+                since = f", {time.perf_counter() - stop.time:.1f} s after the signal" if stop.time else ""
+                log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
+                return 128 + (StopRequest.received or signal.SIGTERM)
+
         for step in range(step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
             if step % cfg.val_every_steps == 0 or last_step:
                 step_log.flush(keep_last=False)
-                evaluate(model, step)
+                if not evaluate(model, step, stop):  # a stop request came during the evaluation
+                    return save(step, stopping=True)
             if last_step:
                 break
 
@@ -975,30 +1231,27 @@ def train(cfg, rank, world_size, device):
 
             done = step + 1
             checkpoint_due = done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0)
-            stop_requested = False
-            if checkpoint_due or step_log.due(step):
+            stop_requested = step_log.stop_requested(stop)
+            if checkpoint_due or stop_requested or step_log.due(step):
                 # before a checkpoint every number is read, so a non-finite step is never saved
-                stop_requested = step_log.flush(keep_last=not checkpoint_due)
-            if stop_requested and step_log.pending:  # stop at a step whose numbers were all read
-                stop_requested = step_log.flush(keep_last=False) or stop_requested
+                step_log.flush(keep_last=not (checkpoint_due or stop_requested))
             if checkpoint_due or stop_requested:
-                t0 = time.perf_counter()
-                train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
-                                   model_config=dataclasses.asdict(model.config), config=dataclasses.asdict(cfg))
-                path = save_checkpoint(ckpt_root, model, optimizer, train_state, cfg.ckpt_keep)
-                step_log.log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-            if stop_requested:  # exit 128 + signum (143 for SIGTERM, also on ranks that only heard of it)
-                step_log.log(f"stopped by a signal after step {done}; rerun the same command to resume")
-                return 128 + (StopRequest.received or signal.SIGTERM)
+                status = save(done, stopping=stop_requested)
+                if stop_requested:
+                    return status
+        publish_hf(model, cfg)
+        return 0
     finally:
         stop.restore()
-    publish_hf(model, cfg)
-    return 0
+        log.close()
 
 
 def main(argv=None):
     """Train; return the exit status: 0 finished, 128 + signum stopped early by SIGTERM/SIGINT after its checkpoint."""
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    return run(load_config(sys.argv[1:] if argv is None else argv))
+
+
+def run(cfg):
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
     StopRequest.received = None
     try:
@@ -1015,9 +1268,17 @@ def main(argv=None):
 
 def cli(argv=None):
     """`python train_gpt2.py ...`: main()'s exit status; an error is one line, prefixed with the rank under torchrun."""
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(config_help())
+        sys.exit(0)
+    try:
+        cfg = load_config(argv)
+    except (ValueError, OSError) as e:  # every rank reads the same config: rank 0 alone says what is wrong
+        sys.exit(f"train_gpt2.py: error: {e}" if is_master_env() else 1)
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        status = main(argv)
+        status = run(cfg)
     except (ValueError, FloatingPointError) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
     except OSError as e:  # a file or directory the run cannot use: full disk, read-only, a file in the path

@@ -89,10 +89,10 @@ def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(mon
     cfg = train_gpt2.load_config(["--n_layer=12", "--n_head=12", "--n_embd=768", "--local_batch_size=64"])
     model_config = GPTConfig(n_layer=12, n_head=12, n_embd=768, padded_vocab_size=50304)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
-    plan = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
+    plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
     n = 124_475_904  # GPT-2 124M with the vocabulary padded to 50304: 4 bytes each, sharded over 8 ranks
     assert f"parameters {4 * n / 8 / 2**30:.2f} GiB" in plan and f"optimizer {8 * n / 8 / 2**30:.2f} GiB" in plan
     assert "WARNING" not in plan
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
-    plan = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
+    plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
     assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
