@@ -1,6 +1,9 @@
-"""train_gpt2.py on one process: --help, the seed recipe's YAML, wandb, resume refusals, a finished run's rerun, token
-ids outside the vocabulary, checkpoints that do not load, full disks, and the memory plan against measurement.
-Runs use the byte-level Shakespeare dataset and the 2-layer model of conftest.tiny."""
+"""train_gpt2.py on one process: the configurator (config files, --key=value, --help, the seed recipe's AutoModel YAML),
+the out_dir and its checkpoints, resume refusals, a finished run's rerun, the training step (no host-device sync,
+compile, activation checkpointing, the memory plan against measurement), comparability with llm.c and build-nanogpt
+(val windows, --eval_only, HellaSwag, epochs, metrics), token ids outside the vocabulary, full disks and wandb.
+Most runs use the byte-level Shakespeare dataset (vocabulary 512) and the 2-layer model of conftest.tiny: the tokenizer
+is not the subject."""
 import dataclasses
 import glob
 import json
@@ -9,14 +12,20 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+import hellaswag
 import train_gpt2
-from conftest import ROOT, metrics, tiny, torchrun, write_byte_dataset
+from conftest import BYTE_EOT, ROOT, checkpoints, metrics, tiny, torchrun, vislog, write_byte_dataset
 from indexed_dataset import IndexedDatasetBuilder
-from model import MARKER
+from model import MARKER, check_checkpoint, complete_checkpoints
+from tokenizer import EOT_ID, gpt2_encoding
+from train_gpt2 import parse_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -178,7 +187,8 @@ def rerun(finished, tmp_path, **overrides):
     shutil.rmtree(copy / "hf")
     config = (copy / "train_config.json").read_text()
     args = tiny(prefix, copy, max_steps=20, index_mapping_dir=os.path.join(os.path.dirname(prefix), "..", "cache"))
-    return copy, config, [*args, *[f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]]
+    overrides = [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
+    return copy, config, args + overrides
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -304,7 +314,8 @@ def test_wandb_gets_every_metric_and_a_resumed_run_continues_the_same_wandb_run(
     for path in runs:
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
-                row = {item.key: json.loads(item.value_json) for item in record.history.item}
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
                 if "train_loss" in row:
                     history[row["step"]] = row["train_loss"]
     assert history == metrics(out, "train_loss") and len(history) == 30
@@ -356,3 +367,404 @@ def test_memory_plan_is_within_30_percent_of_the_measured_peak_on_1_and_2_ranks(
         print(f"{nproc} rank(s): plan {plan['memory_plan_gib']:.3f} GiB, measured {measured:.3f} GiB "
               f"(x{plan['memory_plan_gib'] / measured:.2f})")
         assert abs(plan["memory_plan_gib"] - measured) <= 0.3 * measured
+
+
+@dataclass
+class Toy:
+    lr: float = 1e-3
+    steps: int | None = 10
+    name: str = "run"
+    flag: bool = False
+
+
+def test_files_then_overrides_in_order(tmp_path):
+    config = tmp_path / "c.py"
+    config.write_text("import math\nlr = 3e-4\nsteps = 2 ** 4\n_private = 1\n")
+    cfg = parse_config(Toy, [str(config), "--steps=None", "--name=a,b", "--flag=True", "--lr=1"])
+    assert cfg == Toy(lr=1.0, steps=None, name="a,b", flag=True)  # an int is a fine float; "a,b" stays a string
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--step=3"], "unknown config key 'step'; did you mean 'steps'?"),
+    (["--steps=1.5"], "steps must be int or None, got 1.5"),
+    (["--flag=1"], "flag must be bool, got 1"),
+    (["--lr"], "write overrides as --key=value"),
+])
+def test_bad_overrides_name_the_key(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_config(Toy, argv)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr = 1\nsteps = (\n", r"c\.py:2: syntax error"),
+    ("lr = 1\nsteps = 1 / 0\n", r"c\.py:2: ZeroDivisionError"),
+    ("import sys\nsys.exit(0)\n", r"called sys\.exit\(0\)"),
+])
+def test_config_file_errors_name_file_and_line(tmp_path, text, message):
+    config = tmp_path / "c.py"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        parse_config(Toy, [str(config)])
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        parse_config(Toy, [str(tmp_path / "missing.py")])
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """An uninterrupted 6-step run, a checkpoint every 2 steps, all kept."""
+    out = tmp_path_factory.mktemp("reference")
+    assert train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3)) == 0
+    return out
+
+
+def test_out_dir_that_is_not_a_run_directory_is_refused(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "mine.txt").write_text("the user's")
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_text("x")
+    cases = {"": "out_dir is empty", ".": "current directory", str(tmp_path): "current directory",
+             # the project's parent may hold the working directory too (a clone under /tmp): either reason will do
+             os.path.dirname(ROOT): "(project|current) directory", str(foreign): "not a training run's directory",
+             str(foreign / "cat.jpg"): "is a file"}
+    for out_dir, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            train_gpt2.main(tiny(data, out_dir, max_steps=1))
+    assert (tmp_path / "hf" / "mine.txt").read_text() == "the user's"
+    assert sorted(os.listdir(foreign)) == ["cat.jpg"]
+
+
+def test_export_replaces_only_an_hf_dir_it_wrote(data, tmp_path):
+    out = tmp_path / "run"
+    train_gpt2.main(tiny(data, out, max_steps=2))
+    assert os.path.isfile(out / "hf" / ".train_gpt2.json")
+    (out / "hf" / "notes.txt").write_text("mine")  # the marker is still there: a later export replaces the whole hf/
+    train_gpt2.main(tiny(data, out, max_steps=3))
+    assert not os.path.exists(out / "hf" / "notes.txt")
+    shutil.rmtree(out / "hf")
+    (out / "hf").mkdir()
+    (out / "hf" / "notes.txt").write_text("mine")  # no marker: moved aside, never deleted
+    train_gpt2.main(tiny(data, out, max_steps=4))
+    moved = [name for name in os.listdir(out) if name.startswith("hf.moved-")]
+    assert len(moved) == 1 and (out / moved[0] / "notes.txt").read_text() == "mine"
+    assert os.path.isfile(out / "hf" / "model.safetensors")
+    assert not [name for name in os.listdir(out) if name.startswith(".hf.")]
+
+
+def test_fresh_run_moves_old_logs_aside_and_a_resumed_run_appends(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "main.log").write_text("s:0 trl:9.0000 lr:0.001 norm:1.00\n")
+    (out / "main.log.1").write_text("older\n")
+    (out / "metrics.jsonl").write_text('{"step": 0, "train_loss": 9.0}\n')
+    train_gpt2.main(tiny(data, out, max_steps=2))
+    said = capsys.readouterr().out
+    assert f"{out / 'main.log'} of an earlier run moved to {out / 'main.log.2'}" in said
+    assert (out / "main.log.2").read_text() == "s:0 trl:9.0000 lr:0.001 norm:1.00\n"
+    assert (out / "metrics.jsonl.1").read_text() == '{"step": 0, "train_loss": 9.0}\n'
+    assert sorted(vislog(out / "main.log")["trl"]) == [0, 1]
+    train_gpt2.main(tiny(data, out, max_steps=4))  # resumes from step 2: the same log goes on
+    assert sorted(vislog(out / "main.log")["trl"]) == [0, 1, 2, 3] and not os.path.exists(out / "main.log.3")
+
+
+def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "hf")
+    os.remove(out / "ckpt" / "step_00000006" / MARKER)  # as if the write stopped before its marker
+    assert [os.path.basename(p) for p in complete_checkpoints(str(out / "ckpt"))] == [
+        "step_00000002", "step_00000004"]
+    train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3))
+    assert metrics(out, "train_loss") == metrics(reference, "train_loss")
+    assert os.path.isfile(out / "ckpt" / "step_00000006" / MARKER)
+    aside = [name for name in checkpoints(out) if name.startswith("step_00000006.incomplete-")]
+    assert len(aside) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "empty rng.pt", "bad train_state.json",
+                                    "no .metadata"])
+def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
+    path = tmp_path / "step"
+    shutil.copytree(reference / "ckpt" / "step_00000006", path)
+    assert check_checkpoint(str(path)) is None
+    name, text = {"truncated shard": ("__0_0.distcp", None), "missing shard": ("__0_0.distcp", None),
+                  "empty rng.pt": ("rng.pt", b""), "bad train_state.json": ("train_state.json", b"{\"step\": 6,"),
+                  "no .metadata": (".metadata", None)}[damage]
+    if damage == "truncated shard":
+        os.truncate(path / name, os.path.getsize(path / name) // 2)
+    elif text is None:
+        os.remove(path / name)
+    else:
+        (path / name).write_bytes(text)
+    assert str(path / name) in check_checkpoint(str(path))
+
+
+def test_damaged_newest_checkpoint_is_skipped_named_and_kept(data, reference, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "hf")
+    os.truncate(out / "ckpt" / "step_00000006" / "__0_0.distcp", 1000)
+    train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3))
+    said = capsys.readouterr().out
+    assert f"skipping damaged checkpoint {out / 'ckpt' / 'step_00000006'}: " \
+           f"{out / 'ckpt' / 'step_00000006' / '__0_0.distcp'}: truncated" in said
+    assert metrics(out, "train_loss") == metrics(reference, "train_loss")
+    assert [name for name in checkpoints(out) if name.startswith("step_00000006.damaged-")]
+
+    # damage only the load notices: every rank gives up on it together and the next older one is loaded
+    real_load = train_gpt2.dcp.load
+
+    def failing_load(state, checkpoint_id, **kwargs):
+        if checkpoint_id.endswith("step_00000006"):
+            raise RuntimeError("unreadable shard")
+        return real_load(state, checkpoint_id=checkpoint_id, **kwargs)
+    monkeypatch.setattr(train_gpt2.dcp, "load", failing_load)
+    shutil.rmtree(out / "hf")
+    train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=2, ckpt_keep=3))
+    assert "failed to load (RuntimeError: unreadable shard)" in capsys.readouterr().out
+    assert metrics(out, "train_loss") == metrics(reference, "train_loss")
+    assert len([name for name in checkpoints(out) if ".damaged-" in name]) == 2
+
+
+def test_load_config_errors_name_file_and_line(tmp_path):
+    config = tmp_path / "config.py"
+    config.write_text("max_steps = 5\nlr = 3e-4 *\n")
+    with pytest.raises(ValueError, match=rf"{config}:2: syntax error"):
+        train_gpt2.load_config([str(config)])
+    config.write_text("import sys\nmax_steps = 5\nsys.exit(0)\n")
+    with pytest.raises(ValueError, match=r"config\.py: the config file called sys\.exit\(0\)"):
+        train_gpt2.load_config([str(config)])
+    config.write_text("max_steps = 5\nlr = learning_rate\n")
+    with pytest.raises(ValueError, match=rf"{config}:2: NameError"):
+        train_gpt2.load_config([str(config)])
+    with pytest.raises(ValueError, match="lr must be a finite number, got inf"):
+        train_gpt2.load_config(["--lr=1e400"])
+    # on the command line: exit status 1, one line
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), str(config)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"train_gpt2.py: error: {config}:2: NameError: name 'learning_rate' is not defined" in result.stderr
+
+
+PROJECT_FILES = tuple(os.path.join(ROOT, name) for name in os.listdir(ROOT) if name.endswith(".py"))
+
+
+def test_no_synchronising_call_in_a_step_that_does_not_log(data, tmp_path, monkeypatch):
+    """.item(), .cpu(), .tolist() and bool(tensor) wait for the device; count those the project's own code makes,
+    per training step, with the numbers read once per 4 steps."""
+    calls, current = [], {"step": None}
+
+    def counting(name, original):
+        def wrapper(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller in PROJECT_FILES:
+                calls.append((current["step"], name, os.path.basename(caller), sys._getframe(1).f_lineno))
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("item", "cpu", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    real_start = train_gpt2.StepLog.start_step
+
+    def start_step(self):
+        current["step"] = len([c for c in calls if c[1] == "start"])  # steps started so far
+        calls.append((current["step"], "start", "", 0))
+        real_start(self)
+
+    monkeypatch.setattr(train_gpt2.StepLog, "start_step", start_step)
+    train_gpt2.main(tiny(data, tmp_path / "out", max_steps=12, log_every_steps=4, val_every_steps=100,
+                         ckpt_every_steps=0))
+    per_step = {}
+    for step, name, where, line in calls:
+        if name != "start" and step is not None:
+            per_step.setdefault(step, []).append(f"{name} at {where}:{line}")
+    logging_steps = {s for s in range(12) if (s + 1) % 4 == 0} | {11}  # and the last, which checkpoints
+    quiet = {s: per_step.get(s, []) for s in range(12) if s not in logging_steps}
+    assert all(not found for found in quiet.values()), quiet
+    assert len(metrics(tmp_path / "out", "train_loss")) == 12  # every step is still logged
+
+
+def compile_args(data, out, compile):
+    return tiny(data, out, max_steps=4, val_every_steps=2, ckpt_every_steps=0, compile=compile, val_tokens=256)
+
+
+def assert_losses_close(a, b, tol=1e-4):
+    for key in ("train_loss", "val_loss"):
+        ma, mb = metrics(a, key), metrics(b, key)
+        assert ma.keys() == mb.keys() and max(abs(ma[k] - mb[k]) for k in ma) <= tol, (key, ma, mb)
+
+
+def test_compile_gives_the_eager_losses_on_one_process(data, tmp_path):
+    train_gpt2.main(compile_args(data, tmp_path / "eager", False))
+    train_gpt2.main(compile_args(data, tmp_path / "compiled", True))
+    assert_losses_close(tmp_path / "eager", tmp_path / "compiled")
+
+
+def test_compile_gives_the_eager_losses_on_two_ranks_with_fsdp2(data, tmp_path):
+    for name, flag in (("eager", False), ("compiled", True)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, "train_gpt2.py"), *compile_args(data, tmp_path / name, flag)]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_losses_close(tmp_path / "eager", tmp_path / "compiled")
+
+
+def test_activation_checkpointing_trains_the_same_run(data, tmp_path):
+    train_gpt2.main(tiny(data, tmp_path / "plain", max_steps=4, ckpt_every_steps=0))
+    train_gpt2.main(tiny(data, tmp_path / "recomputed", max_steps=4, ckpt_every_steps=0, activation_checkpointing=True))
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        a, b = metrics(tmp_path / "plain", key), metrics(tmp_path / "recomputed", key)
+        assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) <= 1e-6
+
+
+def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(monkeypatch):
+    from model import GPTConfig
+
+    cfg = train_gpt2.load_config(["--n_layer=12", "--n_head=12", "--n_embd=768", "--local_batch_size=64"])
+    model_config = GPTConfig(n_layer=12, n_head=12, n_embd=768, padded_vocab_size=50304)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
+    plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
+    n = 124_475_904  # GPT-2 124M with the vocabulary padded to 50304: 4 bytes each, sharded over 8 ranks
+    assert f"parameters {4 * n / 8 / 2**30:.2f} GiB" in plan and f"optimizer {8 * n / 8 / 2**30:.2f} GiB" in plan
+    assert "WARNING" not in plan
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
+    plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
+    assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
+
+
+HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
+T = 32
+
+
+@pytest.fixture(scope="module")
+def val_prefix(tmp_path_factory):
+    """Shakespeare paragraphs as GPT-2 tokens, each document followed by EOT, as prepare_fineweb.py writes them."""
+    prefix = str(tmp_path_factory.mktemp("val") / "val_text_document")
+    with open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8") as f:
+        paragraphs = [p for p in re.split(r"\n\s*\n", f.read()) if p.strip()][:300]
+    enc = gpt2_encoding()
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for paragraph in paragraphs:
+        builder.add_document(np.array(enc.encode_ordinary(paragraph) + [EOT_ID], dtype=np.uint16))
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("hf"))
+    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(path)
+    return path
+
+
+def llmc_val_loss(hf_dir, prefix, num_windows):
+    """transformers' mean loss over llm.c's windows: stream = [EOT] + the documents; inputs stream[kT : kT+T],
+    targets stream[kT+1 : kT+T+1] (the windows share one token), as llm.c's DataLoader reads its val shard."""
+    from transformers import GPT2LMHeadModel
+
+    with open(prefix + ".bin", "rb") as f:
+        stream = np.concatenate([[EOT_ID], np.frombuffer(f.read(), dtype=np.uint16)]).astype(np.int64)
+    model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    losses = []
+    with torch.no_grad():
+        for k in range(num_windows):
+            x = torch.from_numpy(stream[k * T:k * T + T])[None]
+            y = torch.from_numpy(stream[k * T + 1:k * T + T + 1])
+            losses.append(F.cross_entropy(model(x).logits[0], y, reduction="sum").item())
+    return sum(losses) / (num_windows * T)
+
+
+def eval_only_args(hf_dir, prefix, out, **overrides):
+    config = dict(eval_only=True, init_from=hf_dir, val_data_paths=prefix, val_tokens=10 * T, seq_length=T,
+                  local_batch_size=2, global_batch_size=4, padded_vocab_size=None, device="cpu", dtype="float32",
+                  compile=False, out_dir=str(out), dist_timeout_s=60)
+    config.update(overrides)
+    return [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in config.items()]
+
+
+def val_loss_logged(out):
+    return metrics(out, "val_loss")[0]
+
+
+def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf_dir, val_prefix, tmp_path):
+    expected = llmc_val_loss(hf_dir, val_prefix, 10)
+    for local_batch_size in (1, 4):
+        out = tmp_path / f"lbs{local_batch_size}"
+        train_gpt2.main(eval_only_args(hf_dir, val_prefix, out, local_batch_size=local_batch_size))
+        assert val_loss_logged(out) == pytest.approx(expected, abs=1e-5)
+    out = tmp_path / "two_ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "train_gpt2.py"), *eval_only_args(hf_dir, val_prefix, out, local_batch_size=3)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert val_loss_logged(out) == pytest.approx(expected, abs=1e-5)
+
+
+def test_eval_only_writes_the_reference_line_and_hellaswag_of_the_standalone_script(hf_dir, val_prefix, tmp_path):
+    out = tmp_path / "gpt2_reference"
+    train_gpt2.main(eval_only_args(hf_dir, val_prefix, out, hellaswag=HELLASWAG_FIXTURE))
+    streams = vislog(out / "main.log")
+    assert set(streams) == {"tel", "eval"} and set(streams["tel"]) == {0} and set(streams["eval"]) == {0}
+    standalone = hellaswag.main(["--model", hf_dir, "--data", HELLASWAG_FIXTURE])
+    assert streams["eval"][0] == pytest.approx(round(standalone["acc_norm"], 4))
+    assert metrics(out, "hellaswag_acc_norm")[0] == standalone["acc_norm"]
+    assert not os.path.exists(out / "hf")  # nothing trained, nothing written
+    assert not os.path.isdir(out / "ckpt") or not os.listdir(out / "ckpt")
+
+
+def small_byte_datasets(directory, count=2, blocks_each=15):
+    """`count` byte-level prefixes of a few Shakespeare paragraphs each: a short epoch."""
+    with open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8") as f:
+        blocks = [b for b in re.split(r"\n\s*\n", f.read()) if b.strip()]
+    for i in range(count):
+        builder = IndexedDatasetBuilder(os.path.join(directory, f"part_{i}.bin"), dtype=np.uint16)
+        for block in blocks[i * blocks_each:(i + 1) * blocks_each]:
+            builder.add_document(np.append(np.frombuffer(block.encode(), dtype=np.uint8), BYTE_EOT).astype(np.uint16))
+        builder.finalize(os.path.join(directory, f"part_{i}.idx"))
+    return os.path.join(directory, "part_*")
+
+
+def test_training_past_one_epoch_resumes_bit_exactly_in_the_second_epoch(tmp_path):
+    glob = small_byte_datasets(str(tmp_path))
+    common = dict(split="100,0,0", val_tokens=0, index_mapping_dir=str(tmp_path / "cache"))
+    epoch_out = tmp_path / "epoch"
+    train_gpt2.main(tiny(glob, epoch_out, max_steps=None, **common))
+    epoch_steps = max(metrics(epoch_out, "train_loss")) + 1
+    assert 4 <= epoch_steps <= 30
+
+    steps = 2 * epoch_steps + 3
+    full = tmp_path / "full"
+    train_gpt2.main(tiny(glob, full, max_steps=steps, ckpt_every_steps=epoch_steps + 2, ckpt_keep=5, **common))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    for name in sorted(os.listdir(resumed / "ckpt"))[1:]:  # as if killed after the first checkpoint
+        shutil.rmtree(resumed / "ckpt" / name)
+    shutil.rmtree(resumed / "hf")
+    train_gpt2.main(tiny(glob, resumed, max_steps=steps, ckpt_every_steps=epoch_steps + 2, ckpt_keep=5, **common))
+    assert metrics(resumed, "train_loss") == metrics(full, "train_loss")
+    assert len(metrics(full, "train_loss")) == steps
+
+
+def test_metrics_hold_step_time_throughput_mfu_and_per_step_memory(tmp_path):
+    glob = small_byte_datasets(str(tmp_path), count=1)
+    out = tmp_path / "out"
+    train_gpt2.main(tiny(glob, out, split="100,0,0", val_tokens=0, max_steps=3, log_every_steps=2))
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f if '"train_loss"' in line]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["peak_mem_gib"] > 0
+        assert r["run_peak_mem_gib"] >= r["peak_mem_gib"] and "mfu" in r  # MFU n/a (None) on a CPU
+
+
+@pytest.mark.parametrize("name, layers, width, heads, steps, tokens_per_step", [
+    ("gpt2_124m", 12, 768, 12, 19073, 524288), ("gpt2_350m", 24, 1024, 16, 60000, 524288),
+    ("gpt2_774m", 36, 1280, 20, 286102, 524288), ("gpt2_1558m", 48, 1600, 25, 32000, 1048576)])
+def test_recipe_configs_load_with_the_reference_shapes(name, layers, width, heads, steps, tokens_per_step):
+    cfg = train_gpt2.load_config([os.path.join(ROOT, "configs", f"{name}.py")])
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.max_steps) == (layers, width, heads, steps)
+    assert cfg.global_batch_size * cfg.seq_length == tokens_per_step and cfg.val_data_paths and cfg.split == "100,0,0"
