@@ -36,6 +36,7 @@ import time
 import traceback
 import types
 import typing
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -1003,7 +1004,7 @@ class RunLog:
             return
         import wandb
         id_path = os.path.join(cfg.out_dir, "wandb_run_id")
-        run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else wandb.util.generate_id()
+        run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else uuid.uuid4().hex[:8]
         with atomic_write(id_path, "w") as f:
             f.write(run_id)
         self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=cfg.out_dir,
@@ -1150,6 +1151,7 @@ def setup(cfg, world_size, device, log):
     train_data, val_data = build_data(cfg, log)
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
         f"{max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))}; "
+        + (f"FSDP2 over a {device.type} mesh of {world_size} ranks; " if dist.is_initialized() else "")
         + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
     model_config, init = starting_point(cfg, resume_path)
     if cfg.seq_length > model_config.block_size:
