@@ -3,13 +3,14 @@
     python prepare_fineweb.py --workers 32                      # HuggingFaceFW/fineweb-edu, sample/10BT
     python prepare_fineweb.py --dataset fineweb --sample 100BT  # HuggingFaceFW/fineweb, sample/100BT
     python prepare_fineweb.py --input 'corpus/*.jsonl.gz' --output-dir data/corpus
-    python prepare_fineweb.py --input data/tinyshakespeare.txt --output-dir data/shakespeare
 
 The first --val-tokens go to val_text_document (llm.c's val shard), the rest of input i to
 processed_data_{i}_text_document; a rerun keeps what summary.json's fingerprints still match. README.md ("Data").
 """
 import argparse
 import collections
+import contextlib
+import fcntl
 import functools
 import glob
 import gzip
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import time
 import zlib
@@ -45,9 +47,10 @@ CHUNK_BYTES = 1 << 20
 ROW_GROUP_TASK_CHUNKS = 16  # a bigger parquet row group is read here in batches, not whole by a worker
 BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 TEXT_DOCUMENT = re.compile(rb"(?:^[^\S\n]*\S[^\n]*\n?)+", re.MULTILINE)  # a run of lines that are not blank
-SUMMARY_NAME, VAL_NAME = "summary.json", "val_text_document"
-OUTPUT_FILE = re.compile(r"(processed_data_\d+|val)_text_document\.(bin|idx)")
-TEMPORARY_FILE = re.compile(r"\.((processed_data_\d+|val)_text_document\.(bin|idx)|summary\.json)\.\d+\.tmp")
+SUMMARY_NAME, VAL_NAME, LOCK_NAME = "summary.json", "val_text_document", ".prepare.lock"
+OUTPUT_FILE = re.compile(r"((?:processed_data_\d+|val)_text_document)\.(?:bin|idx)")  # group 1: the prefix
+OUR_FILE = re.compile(rf"{OUTPUT_FILE.pattern}|summary\.json")
+TEMPORARY_FILE = re.compile(rf"\.({OUR_FILE.pattern})\.\d+\.tmp")  # atomic_io's name for what it is writing
 EOT_ARRAY = np.array([EOT_ID], dtype=np.uint32)
 FORMAT = 2  # bump when a change here changes the bytes written, so that outputs of the old code are redone
 
@@ -65,8 +68,7 @@ def download(dataset="fineweb-edu", sample="10BT", data_dir="fineweb_edu"):
     except FileNotFoundError as e:  # huggingface_hub's LocalEntryNotFoundError: offline and not (fully) cached
         raise FileNotFoundError(f"{data_dir}: no complete copy of {repo_id} {pattern} in this hub cache, and the hub "
                                 f"cannot be reached ({e})") from e
-    files = sorted(glob.glob(os.path.join(snapshot, "sample", sample, "*.parquet")))
-    if not files:
+    if not (files := sorted(glob.glob(os.path.join(snapshot, "sample", sample, "*.parquet")))):
         raise FileNotFoundError(f"{snapshot}: no files match {pattern}")
     return files
 
@@ -100,12 +102,46 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
                           f"(download and outputs); make room, move --data-dir/--output-dir or --skip-space-check")
 
 
-def find_inputs(pattern):
-    """The files matching `pattern` (a path or a glob, ** allowed), sorted: their order numbers the outputs."""
-    files = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
+def find_inputs(pattern, output_dir=None):
+    """The files matching `pattern` (a path or a glob, ** allowed), sorted, but for our own outputs in output_dir."""
+    ours = output_dir and os.path.realpath(output_dir)
+    files = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path) and not (
+        OUR_FILE.fullmatch(os.path.basename(path)) and os.path.realpath(os.path.dirname(path)) == ours))
     if not files:
         raise FileNotFoundError(f"--input {pattern!r} matches no file")
     return files
+
+
+@contextlib.contextmanager
+def locked(output_dir):
+    """Hold an exclusive flock on output_dir/.prepare.lock for the block: a second run there stops at once."""
+    path = os.path.join(output_dir, LOCK_NAME)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+            os.close(fd)
+            raise OSError(f"{path}: held by another prepare_fineweb.py run ({holder}) writing into {output_dir}; "
+                          f"wait for it to end or stop it") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        os.close(fd)  # the run before removed the file between our open and flock: lock the one there now
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)  # for the other run's error
+        yield fd
+    finally:
+        os.remove(path)  # before the unlock: a run that opened it meanwhile sees it gone and opens a new one
+        os.close(fd)
+
+
+def start_worker(lock_fd):
+    """Leave Ctrl-C to the parent and the lock too: the orphaned workers of a killed run must not hold it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.close(lock_fd)
 
 
 def open_parquet(path, text_key):
@@ -116,7 +152,6 @@ def open_parquet(path, text_key):
     names = parquet.schema_arrow.names
     kind = parquet.schema_arrow.field(text_key).type if text_key in names else None
     if kind not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
-        parquet.close()
         raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text" if kind is not None else
                          f"{path}: no column {text_key!r} (columns: {', '.join(names)}); choose one with --text-key")
     return parquet
@@ -261,7 +296,7 @@ def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, 
             yield index, None
             continue
         task_tokens, lengths, task_counts = result.get()
-        counts[index].update(task_counts)
+        counts[index].update(task_counts, input_documents=len(lengths))
         documents, tokens = documents + len(lengths), tokens + len(task_tokens)
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix_str(f"{documents / elapsed:,.0f} docs/s, {tokens / elapsed / 1e6:,.2f}M tokens/s", False)
@@ -299,19 +334,19 @@ def output_fingerprints(inputs, options):
 
 def is_finished(prefix, entry):
     """Whether the dataset at `prefix` is the complete one that summary.json's `entry` describes."""
-    if entry.get("output", prefix) is None:  # no output: every document of the input went to val
-        return entry.get("documents") == 0
-    try:
+    if entry["output"] is None:  # every document of the input went to val, or it had none
+        return entry["documents"] == 0
+    try:  # an empty output (of older code) is redone, as megatron-core cannot map an empty .bin
         dataset = IndexedDataset(prefix)  # checks the index, and that the .bin holds exactly its tokens
-        return (dataset.dtype == np.uint16 and dataset.num_documents == len(dataset) == entry["documents"]
+        return (dataset.dtype == np.uint16 and dataset.num_documents == len(dataset) == entry["documents"] > 0
                 and dataset.num_tokens == entry["tokens"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
 def kept_outputs(output_dir, fingerprints, val_tokens):
-    """(val entry or None, {index: entry}) of an earlier run's summary.json that still hold. Val is kept only with the
-    outputs of every input it draws from; when it is redone so is every output, as their documents start at its end."""
+    """(val entry or None, {index: entry}, summary) of an earlier run's summary.json that still hold. Val is kept only
+    with the outputs of every input it draws from; when it is redone so is every output, as theirs start at its end."""
     try:  # a missing or damaged summary.json keeps nothing
         with open(os.path.join(output_dir, SUMMARY_NAME)) as f:
             earlier = json.load(f)
@@ -319,104 +354,111 @@ def kept_outputs(output_dir, fingerprints, val_tokens):
                  if entry["index"] < len(fingerprints) and entry["fingerprint"] == fingerprints[entry["index"]]
                  and is_finished(output_prefix(output_dir, entry["index"]), entry)}
         if not val_tokens:
-            return None, files
+            return None, files, earlier
         val, last = earlier["val"], earlier["val"]["last_input"]
         if (val["fingerprint"] == fingerprints[last] and all(index in files for index in range(last + 1))
                 and is_finished(os.path.join(output_dir, VAL_NAME), val)):
-            return dict(val, kept=True), files
+            return dict(val, kept=True), files, earlier
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         pass
-    return None, {}
+    return None, {}, {}
 
 
 def write_output(prefix, documents):
     """Write the token arrays `documents` as prefix.bin/.idx, each file published whole; return its summary entry."""
-    entry = dict(output=prefix, documents=0, tokens=0)
+    for suffix in (".idx", ".bin"):  # the old pair goes first, so no half of it can pass for part of the new one
+        if os.path.exists(prefix + suffix):
+            os.remove(prefix + suffix)
+    entry = dict(output=None, documents=0, tokens=0, output_bytes=0, kept=False)
+    if (first := next(documents, None)) is None:  # no files: megatron-core cannot map an empty .bin
+        return entry
 
     def save_bin(path):
         builder = IndexedDatasetBuilder(path, dtype=np.uint16)
-        for document in documents:
+        for document in itertools.chain([first], documents):
             builder.add_document(document)
             entry["documents"] += 1
             entry["tokens"] += len(document)
         atomic_save(prefix + ".idx", builder.finalize)  # finalize closes the .bin, which atomic_save then publishes
-    if prefix:
-        for suffix in (".idx", ".bin"):  # the old pair goes first, so no half of it can pass for part of the new one
-            if os.path.exists(prefix + suffix):
-                os.remove(prefix + suffix)
-        atomic_save(prefix + ".bin", save_bin)
-    return dict(entry, output_bytes=2 * entry["tokens"], kept=False)
+    atomic_save(prefix + ".bin", save_bin)
+    return dict(entry, output=prefix, output_bytes=2 * entry["tokens"])
 
 
 def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK_BYTES, val_tokens=0):
     """Tokenize `inputs` into output_dir, keeping what an earlier run finished; print and return the summary."""
     start = time.time()
-    if not inputs:
-        raise FileNotFoundError(f"{output_dir}: no input files to tokenize")
     os.makedirs(output_dir, exist_ok=True)
-    for name in os.listdir(output_dir):  # what a killed run was writing
-        if TEMPORARY_FILE.match(name):
-            os.remove(os.path.join(output_dir, name))
-    options = {"format": FORMAT, "tokenizer": "gpt2 (tiktoken encode_ordinary) + EOT 50256", "bpe_sha256": SHA256,
-               "text_key": text_key, "dtype": "uint16", "val_tokens": val_tokens}
-    fingerprints = output_fingerprints(inputs, options)
-    val, files = kept_outputs(output_dir, fingerprints, val_tokens)
-    for index in sorted(files):
-        print(f"{output_prefix(output_dir, index)}: finished by an earlier run, kept")
-    todo = [index for index in range(len(inputs)) if index not in files]
-    for path in (inputs[index] for index in todo):  # fail before any work starts if a file cannot be read at all
-        if not path.endswith(INPUT_SUFFIXES):
-            raise ValueError(f"{path}: unsupported input type; expected one of {', '.join(INPUT_SUFFIXES)}")
-        (open_parquet(path, text_key) if path.endswith(".parquet") else open(path, "rb")).close()
-    counts = {index: collections.Counter(empty_skipped=0, invalid_utf8=0) for index in todo}
+    with locked(output_dir) as lock:
+        for name in os.listdir(output_dir):  # what a killed run was writing (a live one would hold the lock)
+            if TEMPORARY_FILE.fullmatch(name):
+                os.remove(os.path.join(output_dir, name))
+        options = {"format": FORMAT, "tokenizer": "gpt2 (tiktoken encode_ordinary) + EOT 50256", "bpe_sha256": SHA256,
+                   "text_key": text_key, "dtype": "uint16", "val_tokens": val_tokens}
+        fingerprints = output_fingerprints(inputs, options)
+        val, files, earlier = kept_outputs(output_dir, fingerprints, val_tokens)
+        todo = [index for index in range(len(inputs)) if index not in files]
+        if not todo and earlier.get("finished") and len(earlier["files"]) == len(inputs):  # no outputs of other inputs
+            print(f"{output_dir}: already complete ({earlier['documents']:,} documents, {earlier['tokens']:,} "
+                  f"tokens); nothing to do")
+            return dict(earlier, val=val, files=[files[index] for index in sorted(files)])
+        for index, entry in sorted(files.items()):
+            prefix = output_prefix(output_dir, index) if entry["output"] else inputs[index]
+            print(f"{prefix}: finished by an earlier run, kept")
+        for path in (inputs[index] for index in todo):  # fail before any work starts if a file cannot be read at all
+            if not path.endswith(INPUT_SUFFIXES):
+                raise ValueError(f"{path}: unsupported input type; expected one of {', '.join(INPUT_SUFFIXES)}")
+            (open_parquet(path, text_key) if path.endswith(".parquet") else open(path, "rb")).close()
+        counts = {index: collections.Counter(empty_skipped=0, invalid_utf8=0, input_documents=0) for index in todo}
 
-    def save(finished):
-        entries = [files[index] for index in sorted(files)]
-        outputs, seconds = entries + ([val] if val else []), time.time() - start
-        summary = {key: sum(entry.get(key, 0) for entry in outputs)
-                   for key in ("documents", "tokens", "empty_skipped", "invalid_utf8", "input_bytes", "output_bytes")}
-        tokenized = sum(entry["tokens"] for entry in outputs if not entry["kept"])
-        summary.update(finished=finished, seconds=round(seconds, 3), workers=workers,
-                       tokens_per_second=round(tokenized / max(seconds, 1e-9)), options=options, val=val, files=entries)
-        with atomic_write(os.path.join(output_dir, SUMMARY_NAME), "w") as f:
-            json.dump(summary, f, indent=2)
+        def save(finished):
+            entries = [files[index] for index in sorted(files)]
+            outputs, seconds = entries + ([val] if val else []), time.time() - start
+            summary = {key: sum(entry.get(key, 0) for entry in outputs) for key in
+                       ("documents", "tokens", "empty_skipped", "invalid_utf8", "input_bytes", "output_bytes")}
+            tokenized = sum(entry["tokens"] for entry in outputs if not entry["kept"])
+            summary.update(finished=finished, seconds=round(seconds, 3), workers=workers, options=options, val=val,
+                           tokens_per_second=round(tokenized / max(seconds, 1e-9)), files=entries)
+            with atomic_write(os.path.join(output_dir, SUMMARY_NAME), "w") as f:
+                json.dump(summary, f, indent=2)
+            return summary
+
+        def finish(index, documents):  # documents: those of the input that did not go to val
+            written = write_output(output_prefix(output_dir, index), documents)
+            files[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
+                                fingerprint=fingerprints[index], **written, **counts[index],
+                                input_bytes=os.path.getsize(inputs[index]))
+            save(finished=False)
+            if not counts[index]["input_documents"]:
+                tqdm.write(f"{inputs[index]}: warning: no documents (an empty file, or only empty texts), so no output",
+                           file=sys.stderr)
+            tqdm.write(f"{written['output'] or inputs[index]}: {written['documents']:,} documents, "
+                       f"{written['tokens']:,} tokens")
+
+        with multiprocessing.Pool(workers, start_worker, (lock,)) as pool, tqdm(
+                total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
+                desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
+            stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
+            if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
+                ended, val_prefix = [], os.path.join(output_dir, VAL_NAME)
+                val = write_output(val_prefix, val_documents(stream, val_tokens, ended))
+                last = min(len(ended), len(inputs) - 1)  # the input of the last val document
+                val.update(last_input=last, fingerprint=fingerprints[last])
+                tqdm.write(f"{val_prefix}: {val['documents']:,} documents, {val['tokens']:,} tokens, inputs 0-{last}")
+                for index in ended:
+                    finish(index, iter(()))
+            for index in todo:
+                if index not in files:  # its documents: the stream up to the end of its input
+                    finish(index, (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream)))
+        summary = save(finished=True)
+        made = {os.path.basename(entry["output"]) for entry in [val, *files.values()] if entry and entry["output"]}
+        for name in sorted(os.listdir(output_dir)):
+            if (match := OUTPUT_FILE.fullmatch(name)) and match[1] not in made:
+                os.remove(os.path.join(output_dir, name))
+                print(f"{os.path.join(output_dir, name)}: made from an input that is no longer given, removed")
+        print(f"{output_dir}: {len(made)} outputs, {summary['documents']:,} documents, {summary['tokens']:,} tokens in "
+              f"{summary['seconds']:,.1f} s; {summary['empty_skipped']:,} empty or null texts skipped, "
+              f"{summary['invalid_utf8']:,} with invalid UTF-8 replaced")
         return summary
-
-    def finish(index, documents):  # None: all went to val, and there is no output (megatron can't map an empty .bin)
-        prefix = output_prefix(output_dir, index) if documents is not None else None
-        written = write_output(prefix, documents)
-        files[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
-                            fingerprint=fingerprints[index], **written, **counts[index],
-                            input_bytes=os.path.getsize(inputs[index]))
-        save(finished=False)
-        tqdm.write(f"{prefix or inputs[index]}: {written['documents']:,} documents, {written['tokens']:,} tokens")
-
-    # the workers ignore Ctrl-C: it is the parent's to handle, by terminating the pool
-    with multiprocessing.Pool(workers, signal.signal, (signal.SIGINT, signal.SIG_IGN)) as pool, tqdm(
-            total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
-            desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
-        stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
-        if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
-            ended, val_prefix = [], os.path.join(output_dir, VAL_NAME)
-            val = write_output(val_prefix, val_documents(stream, val_tokens, ended))
-            last = min(len(ended), len(inputs) - 1)  # the input of the last val document
-            val.update(last_input=last, fingerprint=fingerprints[last])
-            tqdm.write(f"{val_prefix}: {val['documents']:,} documents, {val['tokens']:,} tokens, inputs 0 to {last}")
-            for index in ended:
-                finish(index, None)
-        for index in todo:
-            if index not in files:  # its documents: the stream up to the end of its input
-                finish(index, (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream)))
-    summary = save(finished=True)
-    made = {f"processed_data_{i}" for i, entry in files.items() if entry["output"]} | ({"val"} if val else set())
-    for name in sorted(os.listdir(output_dir)):
-        if (match := OUTPUT_FILE.fullmatch(name)) and match[1] not in made:
-            os.remove(os.path.join(output_dir, name))
-            print(f"{os.path.join(output_dir, name)}: made from an input that is no longer given, removed")
-    print(f"{output_dir}: {len(made)} outputs, {summary['documents']:,} documents, {summary['tokens']:,} tokens in "
-          f"{summary['seconds']:,.1f} s; {summary['empty_skipped']:,} empty or null texts skipped, "
-          f"{summary['invalid_utf8']:,} with invalid UTF-8 replaced")
-    return summary
 
 
 def main(argv=None):
@@ -439,13 +481,16 @@ def main(argv=None):
     output_dir = args.output_dir or os.path.join(args.data_dir, "megatron_gpt2")
     val_tokens = args.val_tokens if args.val_tokens is not None else 0 if args.input else HUB_VAL_TOKENS
     try:
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise ValueError(f"{output_dir}: a file, not a directory; choose another --output-dir")
         if not args.input and not args.skip_space_check:
             check_disk_space(args.dataset, args.sample, args.data_dir, output_dir)
-        inputs = find_inputs(args.input) if args.input else download(args.dataset, args.sample, args.data_dir)
+        inputs = find_inputs(args.input, output_dir) if args.input else download(args.dataset, args.sample,
+                                                                                 args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers, chunk_bytes=args.chunk_bytes,
                 val_tokens=val_tokens)
-    except (ValueError, OSError) as e:
-        sys.exit(f"prepare_fineweb.py: error: {e}")
+    except (ValueError, OSError) as e:  # a raw OSError (a removal, a directory) puts its file first, not its errno
+        sys.exit(f"prepare_fineweb.py: error: {f'{e.filename}: {e.strerror}' if getattr(e, 'filename', None) else e}")
     except KeyboardInterrupt:
         sys.exit("prepare_fineweb.py: interrupted; run the same command again to resume")
 

@@ -5,11 +5,13 @@ resumed to the bytes of a clean run, and bad inputs named in clear errors."""
 import glob
 import gzip
 import json
+import multiprocessing
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -468,3 +470,135 @@ def test_disk_space_is_checked_before_the_download(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="offline"):  # enough room
         prepare_fineweb.main(["--sample", "100BT", "--data-dir", data_dir, "--output-dir", str(tmp_path / "o")])
     assert len(downloads) == 2
+
+
+def test_empty_inputs_give_no_output_and_a_warning(tmp_path, tiktoken_gpt2):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    empties = {"0_empty.txt": b"", "1_blank_lines.txt": b"\n \n\t\n", "2_empty_texts.jsonl": b'{"text": ""}\n'
+               b'{"text": null}\n', "4_empty.jsonl": b""}
+    for name, content in {**empties, "3_good.txt": b"one document\n\nanother\n"}.items():
+        (corpus / name).write_bytes(content)
+    output_dir = tmp_path / "out"
+    run = run_cli("--input", str(corpus / "*"), "--output-dir", str(output_dir), "--workers", "2")
+    assert run.returncode == 0, run.stderr
+    # an output only for the input with documents: megatron-core cannot map an empty .bin
+    assert sorted(os.listdir(output_dir)) == ["processed_data_3_text_document.bin",
+                                              "processed_data_3_text_document.idx", "summary.json"]
+    assert read_megatron(str(output_dir / "processed_data_3_text_document")) == expected_tokens(
+        tiktoken_gpt2, ["one document", "another"])
+    warnings = [line for line in run.stderr.splitlines() if "warning" in line]
+    assert warnings == [f"{corpus / name}: warning: no documents (an empty file, or only empty texts), so no output"
+                        for name in sorted(empties)]
+    with open(output_dir / "summary.json") as f:
+        summary = json.load(f)
+    assert [entry["output"] is None for entry in summary["files"]] == [True, True, True, False, True]
+    assert indexed_dataset.resolve_blend(str(output_dir / "processed_data_*_text_document"))[0] == [
+        str(output_dir / "processed_data_3_text_document")]
+
+    # an empty output of older code is redone to none (and so removed)
+    for entry in summary["files"][:1]:
+        entry["output"] = str(output_dir / "processed_data_0_text_document")
+        indexed_dataset.IndexedDatasetBuilder(entry["output"] + ".bin").finalize(entry["output"] + ".idx")
+    with open(output_dir / "summary.json", "w") as f:
+        json.dump(summary, f)
+    summary = prepare_fineweb.prepare(prepare_fineweb.find_inputs(str(corpus / "*")), str(output_dir))
+    assert [entry["kept"] for entry in summary["files"]] == [False, True, True, True, True]
+    assert not glob.glob(str(output_dir / "processed_data_0_*"))
+
+
+def test_a_second_run_into_the_same_output_dir_stops_at_once(tmp_path):
+    with open(tmp_path / "a.txt", "w") as f:
+        f.write("some text\n")
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    # what a killed run left: its temporaries and its lock file (unlocked: the OS drops the flock of a dead process)
+    dead = [output_dir / ".processed_data_0_text_document.bin.999999.tmp", output_dir / ".summary.json.999999.tmp"]
+    for path in dead + [output_dir / ".prepare.lock"]:
+        path.write_text("pid 999999 on host gone\n")
+    args = ["--input", str(tmp_path / "a.txt"), "--output-dir", str(output_dir), "--workers", "1"]
+    with prepare_fineweb.locked(str(output_dir)) as lock:  # another run, busy in output_dir
+        # its pool workers hold no share of the lock: the orphans of a killed run would keep it
+        with multiprocessing.Pool(1, prepare_fineweb.start_worker, (lock,)) as pool:
+            worker = pool.apply(os.getpid)
+            assert str(output_dir / ".prepare.lock") not in [
+                os.readlink(f"/proc/{worker}/fd/{fd}") for fd in os.listdir(f"/proc/{worker}/fd")]
+        ours = output_dir / f".processed_data_0_text_document.bin.{os.getpid()}.tmp"
+        ours.write_bytes(b"in progress")
+        start = time.time()
+        with pytest.raises(SystemExit) as exit_:
+            prepare_fineweb.main(args)
+        assert time.time() - start < 5
+        assert str(exit_.value) == (
+            f"prepare_fineweb.py: error: {output_dir}/.prepare.lock: held by another prepare_fineweb.py run (pid "
+            f"{os.getpid()} on host {socket.gethostname()}) writing into {output_dir}; wait for it to end or stop it")
+        assert ours.exists() and all(path.exists() for path in dead)  # the refused run deleted nothing
+        ours.unlink()
+    prepare_fineweb.main(args)  # the next run clears the dead runs' leftovers
+    assert sorted(os.listdir(output_dir)) == ["processed_data_0_text_document.bin",
+                                              "processed_data_0_text_document.idx", "summary.json"]
+
+
+@pytest.mark.parametrize("layout", ["output dir is the input dir", "output dir below a ** glob"])
+def test_outputs_are_never_read_back_as_inputs(tmp_path, layout):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("first file\n")
+    (corpus / "b.jsonl").write_text('{"text": "second file"}\n')
+    glob_, output_dir = (corpus / "*", corpus) if layout == "output dir is the input dir" else (
+        corpus / "**", corpus / "sub" / "megatron")
+    for _ in range(2):  # the rerun the tool recommends
+        run = run_cli("--input", str(glob_), "--output-dir", str(output_dir), "--workers", "1")
+        assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{output_dir}: already complete (2 documents, 6 tokens); nothing to do\n"
+    with open(output_dir / "summary.json") as f:
+        assert [entry["input_name"] for entry in json.load(f)["files"]] == ["a.txt", "b.jsonl"]
+
+
+def test_rerun_of_a_complete_prepare_does_nothing_but_say_so(tmp_path):
+    inputs = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+    for path in inputs:
+        with open(path, "w") as f:
+            f.write(f"the text of {path}\n")
+    output_dir = tmp_path / "out"
+    summary = prepare_fineweb.prepare(inputs, str(output_dir), val_tokens=3)
+    before = {name: (os.stat(output_dir / name).st_mtime_ns, (output_dir / name).read_bytes())
+              for name in os.listdir(output_dir)}
+    run = run_cli("--input", str(tmp_path / "*.txt"), "--output-dir", str(output_dir), "--val-tokens", "3")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == (f"{output_dir}: already complete ({summary['documents']} documents, {summary['tokens']} "
+                          f"tokens); nothing to do\n") and run.stderr == ""
+    assert {name: (os.stat(output_dir / name).st_mtime_ns, (output_dir / name).read_bytes())
+            for name in os.listdir(output_dir)} == before
+    again = prepare_fineweb.prepare(inputs, str(output_dir), val_tokens=3)
+    assert again["val"]["kept"] and all(entry["kept"] for entry in again["files"])
+    assert {key: again[key] for key in ("documents", "tokens", "seconds")} == {
+        key: summary[key] for key in ("documents", "tokens", "seconds")}
+
+
+def test_output_dir_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("text\n")
+    (tmp_path / "taken").write_text("not a directory")
+    run = run_cli("--input", str(tmp_path / "a.txt"), "--output-dir", str(tmp_path / "taken"))
+    assert run.returncode == 1 and run.stderr == (f"prepare_fineweb.py: error: {tmp_path / 'taken'}: a file, not a "
+                                                  f"directory; choose another --output-dir\n")
+
+
+PREPARE_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+import prepare_fineweb
+prepare_fineweb.main(sys.argv[1:])
+"""
+
+
+def test_a_failed_write_is_one_line_naming_the_file(tmp_path):
+    output_dir = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-c", PREPARE_UNDER_A_SIZE_LIMIT, "--input",
+                          os.path.join("data", "tinyshakespeare.txt"), "--output-dir", str(output_dir)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1] == (f"prepare_fineweb.py: error: cannot write "
+                                           f"{output_dir}/processed_data_0_text_document.bin: File too large")
+    assert "Traceback" not in run.stderr and os.listdir(output_dir) == []
