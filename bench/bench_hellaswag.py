@@ -35,7 +35,7 @@ def naive_evaluate(model, examples, device, autocast_dtype):
     block_size = model.config.block_size
     correct_norm = 0
     for example in examples:
-        context, endings = hellaswag.render_example(example, enc)
+        context, endings, _ = hellaswag.render_all([example])[0]
         rows = [(context + ending)[-block_size:] for ending in endings]
         masks = [([0] * len(context) + [1] * len(ending))[-block_size:] for ending in endings]
         width = max(len(row) for row in rows)
