@@ -402,8 +402,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
                   f"tokens); nothing to do")
             return dict(earlier, val=val, files=[files[index] for index in sorted(files)])
         for index, entry in sorted(files.items()):
-            prefix = output_prefix(output_dir, index) if entry["output"] else inputs[index]
-            print(f"{prefix}: finished by an earlier run, kept")
+            print(f"{entry['output'] or inputs[index]}: finished by an earlier run, kept")
         for path in (inputs[index] for index in todo):  # fail before any work starts if a file cannot be read at all
             if not path.endswith(INPUT_SUFFIXES):
                 raise ValueError(f"{path}: unsupported input type; expected one of {', '.join(INPUT_SUFFIXES)}")
