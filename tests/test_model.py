@@ -1,19 +1,28 @@
-"""model.py against the oracle: transformers' GPT2LMHeadModel (weights in both directions, logits, loss, generation,
-init statistics) and torch's FLOP counter."""
+"""model.py against the oracles: transformers' GPT2LMHeadModel (weights in both directions, logits, loss, generation,
+init statistics), F.cross_entropy for the chunked loss head (eager and compiled), torch's FLOP counter; the export's
+directory swap and write errors; reading a run's newest usable checkpoint."""
+import dataclasses
 import json
 import math
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT
-from model import from_pretrained, save_pretrained
-from model import GPT, GPTConfig
+import model as model_module
+from model import (GPT, MARKER, GPTConfig, chunked_cross_entropy, export_hf, from_pretrained, load_hf_sharded,
+                   load_model, load_weights, newest_usable_checkpoint)
 
 TOL = 1e-5
 
@@ -187,9 +196,9 @@ def test_config_rejects_bad_shapes():
 
 @pytest.mark.parametrize("variant", [dict(), dict(padded_vocab_size=128, layer_norm_eps=1e-3), dict(bias=False)],
                          ids=["plain", "padded", "no-bias"])
-def test_save_pretrained_loads_in_transformers_and_is_byte_stable(tmp_path, variant):
+def test_export_loads_in_transformers_and_is_byte_stable(tmp_path, variant):
     ours = randomize(GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32, **variant))).eval()
-    save_pretrained(ours, str(tmp_path / "a"))
+    export_hf(ours, str(tmp_path / "a"))
     assert sorted(os.listdir(tmp_path / "a")) == ["config.json", "model.safetensors"]
     hf, info = GPT2LMHeadModel.from_pretrained(tmp_path / "a", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -200,25 +209,139 @@ def test_save_pretrained_loads_in_transformers_and_is_byte_stable(tmp_path, vari
     assert tensors.keys() == hf.transformer.state_dict(prefix="transformer.").keys()
     assert tensors["transformer.wte.weight"].shape == (100, 32)
     assert tensors["transformer.h.0.mlp.c_fc.weight"].shape == (32, 128)
+    assert oct(os.stat(tmp_path / "a" / "model.safetensors").st_mode & 0o777) == "0o644"
 
-    save_pretrained(from_pretrained(str(tmp_path / "a")), str(tmp_path / "b"))
+    export_hf(from_pretrained(str(tmp_path / "a")), str(tmp_path / "b"))
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
-def test_save_pretrained_takes_a_gathered_state_dict(tmp_path):
-    """The trainer passes the full state dict it gathered from FSDP; the model's own weights are not used."""
-    cfg = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32, padded_vocab_size=128)
-    trained = randomize(GPT(cfg)).eval()
-    save_pretrained(GPT(cfg), str(tmp_path / "out"), state_dict=trained.state_dict())
+def test_export_of_a_compiled_model_has_the_plain_names(tmp_path):
+    """torch.compile(model) prefixes its parameters with _orig_mod.; the export is the plain model's."""
+    trained = randomize(GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32,
+                                      padded_vocab_size=128))).eval()
+    export_hf(torch.compile(trained), str(tmp_path / "out"))
     assert_matches_hf(trained, GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval())
-    with pytest.raises(ValueError, match=r"bad\): .*unexpected tensor _orig_mod\.transformer\.wpe\.weight"):
-        save_pretrained(GPT(cfg), str(tmp_path / "bad"),
-                                 state_dict={"_orig_mod." + k: v for k, v in trained.state_dict().items()})
-    wider = GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=64)).state_dict()
-    with pytest.raises(ValueError, match=r"transformer\.wpe\.weight has shape \(32, 64\) .*expected \(32, 32\)"):
-        save_pretrained(GPT(cfg), str(tmp_path / "bad"), state_dict=wider)
-    assert not (tmp_path / "bad").exists()
+
+
+def test_export_shards_and_replaces_an_earlier_directory_whole(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, padded_vocab_size=128, n_layer=2, n_head=2, n_embd=32))
+    hf = random_hf_model(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16)
+    tokens = torch.arange(32).view(2, 16)
+    export_hf(model, str(tmp_path / "out"), max_shard_size=20_000)
+    assert "model.safetensors.index.json" in os.listdir(tmp_path / "out")
+    export_hf(from_pretrained(str(tmp_path / "out")), str(tmp_path / "one"))
+    hf.save_pretrained(tmp_path / "out")  # transformers' single file over our shards: ours must go
+    export_hf(from_pretrained(str(tmp_path / "out")), str(tmp_path / "out"))
+    # the new directory replaces the old one whole: no stale shard, and no file of another writer either
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    with torch.no_grad():
+        assert (from_pretrained(str(tmp_path / "out"))(tokens)[0] - hf(tokens).logits).abs().max() < 1e-5
+    export_hf(model, str(tmp_path / "exported"))  # the sharded round trip changed no byte
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "exported" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+def test_load_into_a_model_of_another_shape_names_the_file(tmp_path):
+    random_hf_model(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16).save_pretrained(tmp_path / "hf")
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=32))
+    with pytest.raises(ValueError, match=r"hf/config\.json: the model to load into differs: n_layer 3 \(file: 2\)"):
+        load_hf_sharded(model, str(tmp_path / "hf"))
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)  # the init draws too
+    return randomize(GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=1, n_head=2, n_embd=16)), seed).eval()
+
+
+def test_export_extra_files_leftovers_and_refusals(tmp_path):
+    """extra_files writes into the new directory before the swap; a killed export's .hf.PID.tmp / .hf.PID.old are
+    removed by the next; a directory that is not a model is never replaced; a failing extra_files leaves the old."""
+    (tmp_path / ".hf.99999.tmp").mkdir()
+    (tmp_path / ".hf.99999.tmp" / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".hf.99998.old").mkdir()
+    (tmp_path / ".hf-notes.txt").write_text("not ours")
+    seen = []
+
+    def add_tokenizer(directory):
+        seen.append(sorted(os.listdir(directory)))
+        (pathlib.Path(directory) / "tok.json").write_text("{}")
+
+    export_hf(small_model(), str(tmp_path / "hf"), extra_files=add_tokenizer)
+    assert seen == [["config.json", "model.safetensors"]]
+    assert sorted(os.listdir(tmp_path)) == [".hf-notes.txt", "hf"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors", "tok.json"]
+    before = (tmp_path / "hf" / "model.safetensors").read_bytes()
+
+    def failing(directory):
+        raise OSError(f"cannot write {directory}/tok.json: No space left on device")
+
+    with pytest.raises(OSError, match="tok.json: No space left"):
+        export_hf(small_model(seed=1), str(tmp_path / "hf"), extra_files=failing)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == [".hf-notes.txt", "hf"]
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_text("x")
+    with pytest.raises(ValueError, match="photos: exists and is not a model directory; not replaced"):
+        export_hf(small_model(), str(tmp_path / "photos"))
+    assert os.listdir(tmp_path / "photos") == ["cat.jpg"]
+
+
+@pytest.mark.parametrize("failing", ["save_file", "write_text", "rename"])
+def test_export_write_error_is_one_line_naming_the_file(tmp_path, monkeypatch, failing):
+    export_hf(small_model(), str(tmp_path / "hf"))
+    before = {name: (tmp_path / "hf" / name).read_bytes() for name in os.listdir(tmp_path / "hf")}
+
+    def full_disk(*args, **kwargs):
+        if failing == "save_file":  # what safetensors raises on a full disk
+            raise model_module.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                               "message: \"No space left on device\" })")
+        raise OSError(28, "No space left on device")
+
+    if failing == "save_file":
+        monkeypatch.setattr(model_module, "save_file", full_disk)
+    elif failing == "write_text":
+        monkeypatch.setattr(model_module.pathlib.Path, "write_text", full_disk)
+    else:  # neither the exchange nor the fallback renames can move the new directory in
+        monkeypatch.setattr(model_module.ctypes, "CDLL", lambda *args, **kwargs: object())
+        monkeypatch.setattr(model_module.os, "rename", full_disk)
+    with pytest.raises(OSError) as excinfo:
+        export_hf(small_model(seed=1), str(tmp_path / "hf"))
+    message = str(excinfo.value)
+    assert "\n" not in message and message.startswith("cannot write ") and "No space left" in message
+    assert str(tmp_path) in message
+    assert {name: (tmp_path / "hf" / name).read_bytes() for name in os.listdir(tmp_path / "hf")} == before
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # the new directory was removed at once
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "rename-fallback"])
+def test_export_swap_leaves_a_complete_directory(tmp_path, monkeypatch, exchange):
+    """A reader polling hf/ during repeated exports always finds config.json and the weights (with renameat2; the
+    fallback has a window of two renames, which it must still close with a complete directory)."""
+    import threading
+
+    if not exchange:
+        monkeypatch.setattr(model_module.ctypes, "CDLL", lambda *args, **kwargs: object())
+    export_hf(small_model(), str(tmp_path / "hf"))
+    missing, done = [], threading.Event()
+
+    def reader():
+        while not done.is_set():
+            names = set(os.listdir(tmp_path / "hf")) if os.path.isdir(tmp_path / "hf") else set()
+            if {"config.json", "model.safetensors"} - names:
+                missing.append(names)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for seed in range(8):
+        export_hf(small_model(seed), str(tmp_path / "hf"))
+    done.set()
+    thread.join()
+    if exchange:
+        assert not missing
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    assert_matches_hf(small_model(7), GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval())
 
 
 # ----------------------------------------------------------------------------- the hub, offline
@@ -466,3 +589,415 @@ def test_num_params_counts_like_transformers():
     for model in (GPT(GPTConfig(**cfg)), GPT(GPTConfig(**cfg, padded_vocab_size=128))):
         assert model.num_params(non_embedding=False) == hf.num_parameters()
         assert model.num_params() == hf.num_parameters() - 64 * 32
+
+
+SMALL = dict(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32, padded_vocab_size=128)
+
+
+def random_model(seed=0, **overrides):
+    """A small GPT with padded vocabulary rows (zero, as init leaves them) and every other parameter random."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**SMALL, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "transformer.wte.weight":
+                p[:model.config.vocab_size] += 0.05 * torch.randn_like(p[:model.config.vocab_size])
+            else:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def tokens(vocab_size=100, shape=(3, 32), seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab_size, shape, generator=generator)
+    targets = torch.randint(0, vocab_size, shape, generator=generator)
+    targets[0, 5:9] = -100
+    targets[2, -1] = -100
+    return idx, targets
+
+
+def loss_and_grads(model, idx, targets, plain=False):
+    """(loss, {name: grad}) of one forward + backward; plain=True takes F.cross_entropy of the returned logits."""
+    model.zero_grad(set_to_none=True)
+    if plain:
+        logits, _ = model(idx)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    else:
+        logits, loss = model(idx, targets)
+        assert logits is None  # with targets the model hands back the loss alone
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_close(a, b, tol):
+    assert (a - b).abs().max().item() < tol
+
+
+# ----------------------------------------------------------------------------- the loss head alone
+
+@pytest.mark.parametrize("chunk_size", [7, 16, 96, 1000], ids=["7-odd", "16", "96-one-chunk", "1000-larger"])
+@pytest.mark.parametrize("padded", [True, False], ids=["padded-weight", "sliced-weight"])
+def test_chunked_loss_and_gradients_equal_cross_entropy(chunk_size, padded):
+    """96 rows, a padded 128-row weight of which 100 rows are the vocabulary (passed whole with vocab_size, or
+    sliced), ignored targets, chunk sizes that do and do not divide the rows."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 24, requires_grad=True)
+    weight = torch.randn(128, 24, requires_grad=True)
+    targets = torch.randint(0, 100, (96,))
+    targets[::5] = -100
+
+    def loss_of(x):
+        if padded:
+            return chunked_cross_entropy(x, weight, targets, chunk_size=chunk_size, vocab_size=100)
+        return chunked_cross_entropy(x, weight[:100], targets, chunk_size=chunk_size)
+
+    loss = loss_of(x)
+    loss.backward()
+    grad_x, grad_weight = x.grad, weight.grad
+    x.grad = weight.grad = None
+    expected = F.cross_entropy(x @ weight[:100].t(), targets, ignore_index=-100)
+    expected.backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - expected.item()) < TOL
+    assert_close(grad_x, x.grad, TOL)
+    assert_close(grad_weight, weight.grad, TOL)
+    assert torch.equal(grad_weight[100:], torch.zeros(28, 24))  # padded rows get exactly nothing
+    # a scaled loss (gradient accumulation divides it) scales the gradients
+    x.grad = None
+    (loss_of(x) / 4).backward()
+    assert_close(x.grad * 4, grad_x, TOL)
+
+
+def test_chunked_loss_without_grad_and_all_ignored():
+    torch.manual_seed(0)
+    x, weight, targets = torch.randn(20, 8), torch.randn(30, 8), torch.randint(0, 30, (20,))
+    with torch.no_grad():
+        loss = chunked_cross_entropy(x, weight, targets, chunk_size=6)
+    assert abs(loss.item() - F.cross_entropy(x @ weight.t(), targets).item()) < TOL
+    x.requires_grad_(True)
+    ignored = chunked_cross_entropy(x, weight, torch.full_like(targets, -100), chunk_size=6)
+    ignored.backward()
+    assert ignored.item() == 0 and torch.equal(x.grad, torch.zeros_like(x))  # 0, not F.cross_entropy's nan
+
+
+# ----------------------------------------------------------------------------- through the whole model
+
+@pytest.mark.parametrize("chunk_rows", [1024, 40], ids=["one-chunk", "40-rows"])
+def test_model_loss_and_all_gradients_equal_plain_cross_entropy(monkeypatch, chunk_rows):
+    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", chunk_rows)  # 96 rows: 3 chunks, the last one 16 rows
+    model = random_model()
+    idx, targets = tokens()
+    loss, grads = loss_and_grads(model, idx, targets)
+    expected_loss, expected_grads = loss_and_grads(model, idx, targets, plain=True)
+    assert abs(loss.item() - expected_loss.item()) < TOL
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        assert_close(grads[name], expected_grads[name], TOL)
+    assert model.lm_head.weight is model.transformer.wte.weight  # one tied tensor takes both gradients
+    assert torch.equal(grads["transformer.wte.weight"][100:], torch.zeros(28, 32))
+
+
+def test_logits_only_without_targets():
+    model = random_model()
+    idx, targets = tokens()
+    logits, loss = model(idx)
+    assert loss is None and logits.shape == (3, 32, 100) and logits.is_contiguous()  # real vocabulary only
+    logits, loss = model(idx, targets)
+    assert logits is None and loss.shape == ()
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any op produces, the dtypes of the matmuls' inputs and their shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.matmul_dtypes, self.matmul_shapes = 0, set(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                    torch.ops.aten.mm.out, torch.ops.aten.addmm.out):
+            self.matmul_dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+            self.matmul_shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_full_logits_are_never_materialised(monkeypatch):
+    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 16)
+    model = random_model(vocab_size=1000, padded_vocab_size=1024)
+    idx, targets = tokens(vocab_size=1000)
+    with LargestOutput() as mode:
+        model(idx, targets)[1].backward()
+    # the largest tensors are the 1024 x 32 weight's gradients; the full logits would be 96 x 1000, a chunk 16 x 1024
+    assert mode.largest == 1024 * 32 < 96 * 1000
+
+
+def test_head_matmuls_run_over_the_padded_weight_and_logits_never_show_padding():
+    """Every GEMM of the head (loss and logits) has the 128 padded rows, not the 100 of the vocabulary; padded rows
+    made to win every argmax still never become a logit, a loss term or a sampled token."""
+    model = random_model()
+    idx, targets = tokens()
+    with LargestOutput() as mode:
+        model(idx, targets)[1].backward()
+        logits = model(idx)[0]
+    head = [shapes for shapes in mode.matmul_shapes if any(100 in s or 128 in s for s in shapes)]
+    assert head and all(128 in s for shapes in head for s in shapes if 100 in s or 128 in s), head
+    assert logits.shape == (3, 32, 100)
+    with torch.no_grad():
+        model.transformer.wte.weight[100:] = 50 * model.transformer.ln_f.weight  # a huge logit on every padded row
+    assert model(idx)[0].shape == (3, 32, 100)
+    assert model.generate(idx[:, :4], 8, temperature=0).max() < 100
+    torch.manual_seed(0)
+    assert model.eval().generate(idx[:, :4], 8, temperature=2.0).max() < 100
+    padded_loss, grads = loss_and_grads(model, idx, targets)
+    plain_loss, plain_grads = loss_and_grads(model, idx, targets, plain=True)
+    assert abs(padded_loss.item() - plain_loss.item()) < TOL
+    assert torch.equal(grads["transformer.wte.weight"][100:], torch.zeros(28, 32))
+
+
+def test_bf16_autocast_runs_bf16_matmuls_and_fp32_loss():
+    """Tolerance: bf16 keeps 8 bits of mantissa, so the loss within 1% and each gradient within 5% of its largest
+    entry of the fp32 numbers."""
+    model = random_model()
+    idx, targets = tokens()
+    loss, grads = loss_and_grads(model, idx, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16), LargestOutput() as mode:
+        bf16_loss, bf16_grads = loss_and_grads(model, idx, targets)
+    assert mode.matmul_dtypes == {torch.bfloat16}
+    assert bf16_loss.dtype == torch.float32 and abs(bf16_loss.item() / loss.item() - 1) < 0.01
+    for name, grad in grads.items():
+        assert bf16_grads[name].dtype == torch.float32
+        assert (bf16_grads[name] - grad).abs().max().item() <= 0.05 * grad.abs().max().item() + 1e-6, name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_compiles_without_graph_breaks(checkpointing):
+    torch._dynamo.reset()
+    model = random_model()
+    model.activation_checkpointing = checkpointing
+    model.compile_loss = checkpointing  # inside a whole-model compile the compiled head is traced through
+    idx, targets = tokens()
+    assert torch._dynamo.explain(model)(idx, targets).graph_break_count == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch._dynamo.explain(model)(idx, targets).graph_break_count == 0
+    x, weight = torch.randn(50, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
+    explained = torch._dynamo.explain(chunked_cross_entropy)(x, weight[:60], torch.randint(0, 60, (50,)), 16)
+    assert explained.graph_break_count == 0
+    # the per-chunk work that compile_loss compiles, with its gradients: one graph
+    count = torch.tensor(50)
+    explained = torch._dynamo.explain(model_module._chunk_loss)(x.detach(), weight.detach(), torch.randint(0, 60, (50,)),
+                                                              60, count, True)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs += 1
+        return graph_module.forward
+
+
+def test_compiled_head_equals_eager_with_no_graph_break(monkeypatch):
+    """compile_loss=True: loss and every gradient equal the eager head's (fp32 to 1e-5) and F.cross_entropy's; the
+    chunk body compiles to one graph per chunk shape (here 40 rows and the last 16), nothing falls back to eager."""
+    torch._dynamo.reset()
+    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 40)
+    backend = CountingBackend()
+    monkeypatch.setattr(model_module, "_compiled_chunk_loss", lambda: torch.compile(model_module._chunk_loss,
+                                                                                    backend=backend))
+    model = random_model()
+    idx, targets = tokens()
+    eager_loss, eager_grads = loss_and_grads(model, idx, targets)
+    plain_loss, plain_grads = loss_and_grads(model, idx, targets, plain=True)
+    model.compile_loss = True
+    loss, grads = loss_and_grads(model, idx, targets)
+    assert backend.graphs == 2  # the 40-row chunks and the last 16 rows; a graph break would make more
+    assert abs(loss.item() - eager_loss.item()) < TOL and abs(loss.item() - plain_loss.item()) < TOL
+    for name in grads:
+        assert_close(grads[name], eager_grads[name], TOL)
+        assert_close(grads[name], plain_grads[name], TOL)
+    assert torch.equal(grads["transformer.wte.weight"][100:], torch.zeros(28, 32))
+
+
+def test_compiled_head_with_inductor_equals_eager_fp32_and_bf16():
+    """The real compiler (Inductor's C++ backend on CPU): fp32 to 1e-5; under bf16 autocast within bf16's rounding."""
+    torch._dynamo.reset()
+    model = random_model()
+    idx, targets = tokens()
+    results = {}
+    for compiled in (False, True):
+        model.compile_loss = compiled
+        results[compiled] = loss_and_grads(model, idx, targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[compiled, "bf16"] = loss_and_grads(model, idx, targets)
+    assert abs(results[True][0].item() - results[False][0].item()) < TOL
+    for name, grad in results[False][1].items():
+        assert_close(results[True][1][name], grad, TOL)
+        bf16, eager_bf16 = results[True, "bf16"][1][name], results[False, "bf16"][1][name]
+        assert (bf16 - eager_bf16).abs().max().item() <= 0.02 * eager_bf16.abs().max().item() + 1e-6, name
+    assert abs(results[True, "bf16"][0].item() / results[False, "bf16"][0].item() - 1) < 0.01
+
+
+# ----------------------------------------------------------------------------- FLOPs per token
+
+def test_flops_per_token_llmc_convention_by_hand():
+    """6*N + 6*L*C*T as llm.c's train_gpt2.cu counts it, for n_layer=2, n_embd=8, vocab 100 padded to 128, T=16.
+    N: wte 128*8 = 1024 (padded rows in, lm_head tied: once), wpe 16*8 = 128, ln_f 8+8 = 16, and per block
+    ln_1 16 + c_attn 8*24+24 = 216 + attn.c_proj 8*8+8 = 72 + ln_2 16 + c_fc 8*32+32 = 288 + mlp.c_proj 32*8+8 = 264
+    = 872, so N = 1024 + 128 + 16 + 2*872 = 2912; 6*N = 17472 and 6*L*C*T = 6*2*8*16 = 1536."""
+    model = GPT(GPTConfig(block_size=16, vocab_size=100, padded_vocab_size=128, n_layer=2, n_head=2, n_embd=8))
+    assert model.flops_per_token() == 17472 + 1536 == 19008
+    assert model.flops_per_token(8) == 17472 + 768
+    with torch.device("meta"):  # GPT-2 124M, vocabulary padded to 50304, T=1024: llm.c's 0.80 GFLOP/token
+        gpt2 = GPT(GPTConfig(padded_vocab_size=50304))
+    assert gpt2.flops_per_token() == 6 * 124_475_904 + 6 * 12 * 768 * 1024 == 803_478_528
+
+
+def test_flops_per_token_against_torch_flop_counter():
+    """torch counts the matmuls of one forward + backward: 6 per weight of every Linear (the head over all 50304
+    padded rows) and 12*L*C*T for attention over the full T x T square. The llm.c count differs by exactly the
+    non-matmul parameters (wpe, biases, LayerNorms) and by causal attention's half square."""
+    T = 256
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, padded_vocab_size=50304))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long))[1].backward()
+    matmul_weights = sum(m.weight.numel() for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and name != "lm_head") + 50304 * 768  # the padded head
+    other = sum(p.numel() for p in model.parameters()) - matmul_weights
+    assert counter.get_total_flops() / (2 * T) == model.flops_per_token(T) - 6 * other + 6 * 2 * 768 * T
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    model = random_model()
+    idx, targets = tokens()
+    assert model.activation_checkpointing is False  # off by default
+    loss, grads = loss_and_grads(model, idx, targets)
+    calls = []
+    for block in model.transformer.h:
+        block.register_forward_pre_hook(lambda *_: calls.append(1))  # recomputation may stop early
+    model.activation_checkpointing = True
+    ckpt_loss, ckpt_grads = loss_and_grads(model, idx, targets)
+    assert len(calls) == 2 * model.config.n_layer  # each block ran again in the backward
+    assert abs(ckpt_loss.item() - loss.item()) < 1e-6
+    for name, grad in grads.items():
+        assert_close(ckpt_grads[name], grad, 1e-6)
+    calls.clear()
+    with torch.no_grad():
+        model(idx, targets)
+    assert len(calls) == model.config.n_layer  # nothing to recompute without a backward
+    assert "activation_checkpointing" not in model.state_dict() and model.config == GPTConfig(**SMALL)
+
+
+def test_activation_checkpointing_with_compiled_blocks():
+    torch._dynamo.reset()
+    model = random_model(n_layer=1)
+    idx, targets = tokens()
+    loss, grads = loss_and_grads(model, idx, targets)
+    for block in model.transformer.h:
+        block.compile()  # in place, as train_gpt2.py does before FSDP2's fully_shard
+    model.activation_checkpointing = True
+    ckpt_loss, ckpt_grads = loss_and_grads(model, idx, targets)
+    assert abs(ckpt_loss.item() - loss.item()) < 1e-6
+    for name, grad in grads.items():
+        assert_close(ckpt_grads[name], grad, 1e-6)
+
+
+# ----------------------------------------------------------------------------- a run's checkpoints, read-only
+
+def write_checkpoint(run, step, model):
+    """A checkpoint laid out as train_gpt2.py writes it: DCP model files, rng.pt, train_state.json, then the marker
+    with every file's size."""
+    path = run / "ckpt" / f"step_{step:08d}"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(path))
+    torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")
+    (path / "train_state.json").write_text(json.dumps(dict(step=step, consumed_samples=8 * step,
+                                                           model_config=dataclasses.asdict(model.config))))
+    sizes = {name: os.path.getsize(path / name) for name in sorted(os.listdir(path))}
+    (path / MARKER).write_text(json.dumps(dict(step=step, sizes=sizes)))
+    return path
+
+
+def gpt2_vocab_model(seed):
+    return randomize(GPT(GPTConfig(block_size=16, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)), seed)
+
+
+def same_weights(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "nan"])
+def test_load_model_skips_a_damaged_newest_checkpoint_and_renames_nothing(tmp_path, capsys, damage):
+    run = tmp_path / "run"
+    good = gpt2_vocab_model(1)
+    write_checkpoint(run, 10, good)
+    bad = gpt2_vocab_model(2)
+    if damage == "nan":
+        with torch.no_grad():
+            bad.transformer.h[0].mlp.c_fc.weight[3, 4] = float("nan")
+    newest = write_checkpoint(run, 20, bad)
+    if damage == "truncated":
+        shard = next(newest.glob("*.distcp"))
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    before = sorted(os.listdir(run / "ckpt"))
+    assert same_weights(load_model(str(run)), good)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"skipping damaged checkpoint {newest}: ")
+    assert said[0].endswith("left in place") and ("truncated" if damage == "truncated" else "NaN or inf") in said[0]
+    assert sorted(os.listdir(run / "ckpt")) == before
+    # named directly, the checkpoint is loaded as named, and refused in one line when it cannot be
+    if damage == "nan":
+        with pytest.raises(ValueError, match=r"step_00000020: the weights hold NaN or inf \(transformer\.h\.0\.mlp"):
+            load_model(str(newest))
+        # the resume path (not read-only) renames it aside, like any damaged checkpoint
+        found, messages = newest_usable_checkpoint(str(run / "ckpt"), load=lambda path: load_weights(path, bad))
+        assert found == str(run / "ckpt" / "step_00000010") and "kept as" in messages[0]
+        assert [name for name in os.listdir(run / "ckpt") if name.startswith("step_00000020.damaged-")]
+
+
+def test_a_checkpoint_deleted_while_it_is_read_sends_the_reader_to_the_newer_one(tmp_path, capsys):
+    """A live run with ckpt_keep=1 writes step 20 and deletes step 10 while a reader loads step 10: the reader
+    looks again and loads step 20, and calls nothing damaged."""
+    run = tmp_path / "run"
+    write_checkpoint(run, 10, gpt2_vocab_model(1))
+    newer = gpt2_vocab_model(2)
+    tried = []
+
+    def load(path):
+        tried.append(os.path.basename(path))
+        if len(tried) == 1:  # the run moves on in the middle of this read
+            write_checkpoint(run, 20, newer)
+            shutil.rmtree(path)
+            raise RuntimeError(f"{path}/.metadata: No such file or directory (metadata is None)")
+        return load_weights(path, model)
+
+    model = gpt2_vocab_model(3)
+    found, messages = newest_usable_checkpoint(str(run / "ckpt"), read_only=True, load=load)
+    assert found.endswith("step_00000020") and messages == [] and tried == ["step_00000010", "step_00000020"]
+    assert same_weights(model, newer)
+    assert capsys.readouterr().err == ""
+
+
+def test_sample_cli_with_a_damaged_newest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    write_checkpoint(run, 10, gpt2_vocab_model(1))
+    newest = write_checkpoint(run, 20, gpt2_vocab_model(2))
+    (newest / "rng.pt").write_bytes(b"")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--model", str(run), "--prompt", "Hi",
+                             "--num-samples", "1", "--max-new-tokens", "3", "--device", "cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--- sample 1/1 ---" in result.stdout and "Traceback" not in result.stderr
+    said = result.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"skipping damaged checkpoint {newest}: {newest / 'rng.pt'}: truncated")
+    assert said[0].endswith("left in place")
+    assert os.path.isdir(newest)

@@ -11,10 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from conftest import ROOT
-from model import export_hf, from_pretrained, load_hf_sharded, save_pretrained
-from model import GPT, GPTConfig, init_sharded
+from model import GPT, GPTConfig, from_pretrained, init_sharded
 
-WORKER = os.path.join(ROOT, "tests", "hf_sharded_worker.py")
+WORKER = os.path.join(ROOT, "tests", "model_distributed_worker.py")
 
 
 def random_hf_model(seed=0, **config):
@@ -89,15 +88,15 @@ def launches(tmp_path_factory):
 def test_sharded_load_equals_the_full_load_and_transformers(launches):
     root, hf, found = launches
     loads = [r for r in found["checks"] if r.get("check") == "load"]
-    assert [(r["vocab"], r["how"], r["equal"]) for r in loads] == [(50257, "sharded", True), (30, "sharded", True)]
+    assert [(r["vocab"], r["equal"]) for r in loads] == [(50257, True), (30, True)]
     ours = torch.load(root / "out" / "logits.pt")
     with torch.no_grad():
         expected = hf(ours["tokens"]).logits
     assert (ours["logits"] - expected).abs().max().item() < 1e-5
 
 
-def test_pytorch_model_bin_is_read_on_rank_0_and_sent(launches):
-    assert {"check": "load-bin", "how": "full", "equal": True} in launches[2]["checks"]
+def test_pytorch_model_bin_loads_sharded(launches):
+    assert {"check": "load-bin", "equal": True} in launches[2]["checks"]
 
 
 def init_results(ranks):
@@ -132,7 +131,7 @@ def test_init_sharded_on_a_plain_model_leaves_the_global_rng_alone():
 def test_export_loads_in_transformers_single_and_sharded(launches):
     root, hf, found = launches
     out = root / "out"
-    assert {"check": "export-read-back", "how": "sharded", "equal": True} in found["checks"]
+    assert {"check": "export-read-back", "equal": True} in found["checks"]
     assert sorted(os.listdir(out / "single")) == ["config.json", "model.safetensors"]
     shards = sorted(f for f in os.listdir(out / "shards") if f.endswith(".safetensors"))
     assert len(shards) >= 3 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
@@ -168,29 +167,3 @@ def test_sharded_load_peak_memory_is_well_under_rank0s(launches):
     print(f"peak MB per rank: sharded {sharded['peak_mb']}, rank 0 + broadcast {rank0['peak_mb']}; ratio {ratio:.2f}")
     assert ratio < 0.7
 
-
-# ----------------------------------------------------------------------------- one process
-
-def test_load_into_a_model_of_another_shape_names_the_file(tmp_path):
-    write_fixture(tmp_path / "hf", n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16)
-    model = GPT(GPTConfig(block_size=16, vocab_size=100, n_layer=3, n_head=2, n_embd=32))
-    with pytest.raises(ValueError, match=r"hf/config\.json: the model to load into differs: n_layer 3 \(file: 2\)"):
-        load_hf_sharded(model, str(tmp_path / "hf"))
-
-
-def test_save_pretrained_shards_and_replaces_an_earlier_layout(tmp_path):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, vocab_size=100, padded_vocab_size=128, n_layer=2, n_head=2, n_embd=32))
-    hf = random_hf_model(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=16)
-    tokens = torch.arange(32).view(2, 16)
-    save_pretrained(model, str(tmp_path / "out"), max_shard_size=20_000)
-    assert "model.safetensors.index.json" in os.listdir(tmp_path / "out")
-    save_pretrained(from_pretrained(str(tmp_path / "out")), str(tmp_path / "one"))
-    hf.save_pretrained(tmp_path / "out")  # transformers' single file over our shards: ours must go
-    save_pretrained(from_pretrained(str(tmp_path / "out")), str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
-    with torch.no_grad():
-        assert (from_pretrained(str(tmp_path / "out"))(tokens)[0] - hf(tokens).logits).abs().max() < 1e-5
-    export_hf(model, str(tmp_path / "exported"))  # without a process group: save_pretrained's bytes
-    for name in ("config.json", "model.safetensors"):
-        assert (tmp_path / "exported" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()

@@ -1,8 +1,8 @@
-"""One rank of tests/test_hf_sharded.py and bench/bench_sharded_load.py, launched by torchrun (gloo, CPU):
+"""One rank of tests/test_model_distributed.py and bench/bench_sharded_load.py, launched by torchrun (gloo, CPU):
 
-    hf_sharded_worker.py ROOT memory sharded|rank0 HF_DIR   peak memory of one way of filling an FSDP2 model
-    hf_sharded_worker.py ROOT init HF_DIR EDGE              init_sharded against manual_seed + init_weights
-    hf_sharded_worker.py ROOT checks HF_DIR EDGE OUT        loading, init, export and errors against the oracles
+    model_distributed_worker.py ROOT memory sharded|rank0 HF_DIR  peak memory of one way of filling an FSDP2 model
+    model_distributed_worker.py ROOT init HF_DIR EDGE             init_sharded against manual_seed + init_weights
+    model_distributed_worker.py ROOT checks HF_DIR EDGE OUT       loading, init, export and errors against the oracles
 
 EDGE holds a tiny model whose shards are uneven, empty or all padding, as safetensors/, bin/ (pytorch_model.bin),
 untied/ (lm_head differs from wte) and bin-broken/. Rank 0 prints one line `RESULT <json>` per finding."""
@@ -112,15 +112,15 @@ def check_load(hf_dir, edge, out):
     for directory in (hf_dir, os.path.join(edge, "safetensors")):
         config = config_of(directory)
         model = sharded_model(config)
-        how = load_hf_sharded(model, directory)
+        load_hf_sharded(model, directory)
         state = full_state(model)
         if dist.get_rank() == 0:
             reference = from_pretrained(directory, padded_vocab_size=config.padded_vocab_size).state_dict()
-            report(check="load", vocab=config.vocab_size, how=how, equal=state.keys() == reference.keys() and
+            report(check="load", vocab=config.vocab_size, equal=state.keys() == reference.keys() and
                    all(torch.equal(state[k], reference[k]) for k in state))
-    pickled = sharded_model(config)
-    report(check="load-bin", how=load_hf_sharded(pickled, os.path.join(edge, "bin")),
-           equal=same_shards(pickled, model))
+    pickled = sharded_model(config)  # each rank reads its rows of the memory-mapped pickle, as of safetensors
+    load_hf_sharded(pickled, os.path.join(edge, "bin"))
+    report(check="load-bin", equal=same_shards(pickled, model))
 
     model = sharded_model(config_of(hf_dir))
     load_hf_sharded(model, hf_dir)
@@ -135,8 +135,8 @@ def check_load(hf_dir, edge, out):
     export_hf(model, os.path.join(out, "shards"), max_shard_size=8 * 2**20)
     dist.barrier()
     again = sharded_model(model.config)
-    report(check="export-read-back", how=load_hf_sharded(again, os.path.join(out, "shards")),
-           equal=same_shards(again, model))
+    load_hf_sharded(again, os.path.join(out, "shards"))
+    report(check="export-read-back", equal=same_shards(again, model))
 
 
 def check_errors(edge):
