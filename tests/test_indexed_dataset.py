@@ -1,26 +1,38 @@
-"""indexed_dataset.py: the .bin/.idx files against megatron-core 0.16.1, bad input, the index cache, the sampler and
-the validation views (the command line: test_dataset_tools.py). GPT sampling and blending against megatron-core:
-test_indexed_megatron.py."""
+"""indexed_dataset.py against megatron-core 0.16.1: the .bin/.idx bytes, and GPT sampling and blending (the same index
+arrays, the same samples, the same order); bad input named in one line, the index cache, the validation views, the
+sampler, the source of a sample, data fingerprints and the info / verify command line."""
 import glob
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import numpy as np
 import pytest
 
+import indexed_dataset
 from conftest import ROOT, corrupt, deny_writes, random_documents, write_ours
-from indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, LLMCValWindows, PretrainingSampler,
-                             build_gpt_datasets, resolve_blend, sequential_samples, split_matrix)
+from indexed_dataset import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder, LLMCValWindows,
+                             PretrainingSampler, blending_indices, build_gpt_datasets, data_fingerprints, gpt_indices,
+                             resolve_blend, sequential_samples, split_matrix, split_range, token_weighted_blend)
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
     warnings.simplefilter("ignore")
+    from megatron.core.datasets import helpers as megatron_helpers
+    from megatron.core.datasets.blended_dataset import BlendedDataset as MegatronBlendedDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                        parse_and_normalize_split)
+    from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import DType
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MegatronBuilder
+    from megatron.core.datasets.utils import Split, get_blend_from_list
 
 
 def write_megatron(prefix, documents, dtype=np.uint16):
@@ -64,21 +76,6 @@ def test_default_dtype_and_plain_documents_match_preprocess_data(tmp_path):
     theirs = write_megatron(str(tmp_path / "theirs"), [(t, [len(t)] if t else []) for t in documents], np.uint16)
     assert read_bytes(str(tmp_path / "ours")) == read_bytes(theirs)
     assert IndexedDataset(str(tmp_path / "ours")).document_indices.tolist() == [0, 1, 1, 2, 3]
-
-
-def test_merge_writes_megatron_bytes(tmp_path):
-    rng = np.random.default_rng(2)
-    parts = [write_ours(str(tmp_path / f"part{i}"), random_documents(rng, 50)) for i in range(3)]
-    ours = IndexedDatasetBuilder(str(tmp_path / "ours.bin"))
-    theirs = MegatronBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
-    ours.add_document([1, 2, 3])
-    theirs.add_document([1, 2, 3], [3])
-    for part in parts:
-        ours.add_index(part)
-        theirs.add_index(part)
-    ours.finalize(str(tmp_path / "ours.idx"))
-    theirs.finalize(str(tmp_path / "theirs.idx"))
-    assert read_bytes(str(tmp_path / "ours")) == read_bytes(str(tmp_path / "theirs"))
 
 
 def test_reader_reads_megatron_files_and_megatron_reads_ours(tmp_path):
@@ -125,9 +122,6 @@ def test_builder_rejects_bad_documents(tmp_path):
         builder.add_document([[1, 2]])
     with pytest.raises(ValueError, match="integers"):
         builder.add_document([1.5])
-    write_ours(str(tmp_path / "wide"), [([1, 2], [2])], np.int32)
-    with pytest.raises(ValueError, match=r"wide: dtype int32 differs from .*x\.bin's uint16"):
-        builder.add_index(str(tmp_path / "wide"))
 
 
 def test_rebuilding_a_prefix_removes_its_old_index_first(dataset):
@@ -234,6 +228,15 @@ def test_paths_glob_and_blend_list(tmp_path):
         build_gpt_datasets(["1", str(tmp_path / "a_text_document")], seq_length=4, split="1,1", sizes=(4, None, None))
 
 
+@pytest.mark.parametrize("blend, error", [
+    (["0.3", "a", "0.7"], "3 entries"), (["0.5", "a", "b"], "3 entries"),
+    (["a", "30", "b", "70"], "weight 'a' is not a number"),  # prefix and weight swapped
+])
+def test_a_blend_list_that_does_not_alternate_is_one_error_naming_it(blend, error):
+    with pytest.raises(ValueError, match=re.escape(f"blend list {blend}: {error}; it must alternate weight, prefix")):
+        resolve_blend(blend)
+
+
 @pytest.mark.parametrize("split", ["a,b", "1,2,3,4", "-1,2", "0,0,0", "1..2", "", "1e-3"])
 def test_bad_split_strings(split):
     with pytest.raises(ValueError, match="split"):
@@ -247,6 +250,241 @@ def test_bad_arguments(dataset):
         build_gpt_datasets(dataset, seq_length=8, sizes=(10, -1, None))
     with pytest.raises(ValueError, match="seed"):
         build_gpt_datasets(dataset, seq_length=8, seed=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPT sampling and blending: megatron-core's index arrays, samples and order
+
+
+class Tokenizer:
+    """All megatron-core needs of a tokenizer here; without a pad token nothing is padded or masked."""
+    vocab_size = 1000
+    eod = 999
+    unique_identifiers = {"class": "TestTokenizer"}
+
+
+def megatron_config(seq_length, seed=1234, add_extra_token=True, **options):
+    return GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, tokenizer=Tokenizer(),
+                            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                            create_attention_mask=False, add_extra_token_to_sequence=add_extra_token, **options)
+
+
+def megatron_build(blend, sizes, split, seq_length, seed=1234, add_extra_token=True):
+    # without path_to_cache it caches under <prefix>/cache/, inside the test's tmp_path; its cache key leaves out
+    # add_extra_token, so each test uses prefixes of its own
+    config = megatron_config(seq_length, seed, add_extra_token, blend=get_blend_from_list(blend), split=split)
+    return BlendedMegatronDatasetBuilder(MegatronGPTDataset, list(sizes), lambda: True, config).build()
+
+
+def assert_same_gpt_indices(theirs, ours):
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        expected, actual = getattr(theirs, name), getattr(ours, name)
+        assert actual.dtype == expected.dtype, name
+        np.testing.assert_array_equal(actual, expected, err_msg=name)
+
+
+def assert_same(theirs, ours):
+    """The same indices underneath and every sample's tokens and labels equal, in order."""
+    if theirs is None or len(theirs) == 0:
+        assert ours is None
+        return
+    assert len(ours) == len(theirs)
+    if isinstance(theirs, MegatronBlendedDataset):
+        assert isinstance(ours, BlendedDataset)
+        np.testing.assert_array_equal(ours.dataset_index, theirs.dataset_index)
+        np.testing.assert_array_equal(ours.dataset_sample_index, theirs.dataset_sample_index)
+        assert ours.dataset_index.dtype == np.int16 and ours.dataset_sample_index.dtype == np.int64
+        for their_part, our_part in zip(theirs.datasets, ours.datasets, strict=True):
+            assert_same_gpt_indices(their_part, our_part)
+    else:
+        assert_same_gpt_indices(theirs, ours)
+    for i in range(len(theirs)):
+        expected, actual = theirs[i], ours[i]
+        assert actual["tokens"].dtype == actual["labels"].dtype == np.int64
+        np.testing.assert_array_equal(actual["tokens"], expected["tokens"].numpy(), err_msg=f"sample {i}")
+        np.testing.assert_array_equal(actual["labels"], expected["labels"].numpy(), err_msg=f"sample {i}")
+
+
+def make_prefixes(tmp_path, count, documents=400, max_length=60, seed=0):
+    rng = np.random.default_rng(seed)
+    os.makedirs(tmp_path, exist_ok=True)
+    return [write_ours(str(tmp_path / f"part_{i}_text_document"), random_documents(rng, documents, max_length))
+            for i in range(count)]
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "0.99, 0.01, 0.00", "1,1", "1,1,2", "98,2", "1", "3,0,1", "99/1/0"])
+def test_split_matrix_and_ranges(tmp_path, split):
+    assert split_matrix(split) == convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for n in (5, 7, 2000):  # includes round-half-to-even cases, e.g. n=5 with "1,1"
+        [prefix] = make_prefixes(tmp_path / str(n), 1, documents=n, max_length=2)
+        n = len(IndexedDataset(prefix))
+        theirs = megatron_build([prefix], [None] * 3, split, seq_length=2)
+        for bookends, dataset in zip(split_matrix(split), theirs):
+            assert (bookends is None) == (dataset is None)
+            if bookends is not None:
+                np.testing.assert_array_equal(np.arange(*split_range(n, bookends)), dataset.indices)
+
+
+@pytest.mark.parametrize("split, sizes, seq_length", [
+    ("969,30,1", (None, None, None), 16),  # one epoch per split; the test split is empty
+    ("90,8,2", (3000, 200, 20), 16),  # several epochs; documents longer than a sample
+    ("0.99, 0.01, 0.00", (500, 50, 0), 7),  # no test split at all
+    ("1,1,2", (60, 60, 60), 1),  # one-token samples
+    ("90,8,2", (100, 10, None), 200),  # samples longer than any document
+])
+def test_single_prefix(tmp_path, split, sizes, seq_length):
+    [prefix] = make_prefixes(tmp_path, 1, documents=100 if seq_length == 1 else 400)
+    theirs = megatron_build([prefix], sizes, split, seq_length)
+    ours = build_gpt_datasets(prefix, seq_length=seq_length, split=split, sizes=sizes)
+    for their_split, our_split in zip(theirs, ours):
+        assert_same(their_split, our_split)
+
+
+@pytest.mark.parametrize("epochs, separate", [(2.3, True), (2.95, False)])
+def test_final_epoch_shuffled_apart_or_not(tmp_path, epochs, separate):
+    [prefix] = make_prefixes(tmp_path, 1)
+    one_epoch = len(megatron_build([prefix], [None] * 3, "1", 16)[0])
+    sizes = (int(epochs * one_epoch), None, None)
+    theirs = megatron_build([prefix], sizes, "1", 16)[0]
+    ours = build_gpt_datasets(prefix, seq_length=16, split="1", sizes=sizes)[0]
+    # a last epoch shuffled on its own is a permutation of the sequences at the end of the document index
+    last_epoch = np.sort(theirs.document_index[-len(IndexedDataset(prefix)):])
+    assert np.array_equal(last_epoch, np.arange(len(IndexedDataset(prefix)))) == separate
+    assert_same(theirs, ours)
+
+
+def test_without_extra_token(tmp_path):
+    [prefix] = make_prefixes(tmp_path, 1, seed=1)
+    sizes, split = (1000, 50, 10), "90,8,2"
+    theirs = megatron_build([prefix], sizes, split, 16, add_extra_token=False)
+    dataset = IndexedDataset(prefix)
+    for i, (their_split, bookends) in enumerate(zip(theirs, split_matrix(split))):
+        begin, end = split_range(len(dataset), bookends)
+        ours = GPTDataset(dataset, begin, end, seq_length=16, num_samples=sizes[i], seed=1234, add_extra_token=False)
+        assert_same_gpt_indices(their_split, ours)
+        for k in range(len(their_split)):
+            expected, actual = their_split[k], ours[k]
+            np.testing.assert_array_equal(actual["tokens"], expected["tokens"].numpy())
+            # megatron pads the last label and masks it out of the loss; ours is the ignore index -100
+            counted = expected["loss_mask"].numpy() == 1
+            np.testing.assert_array_equal(actual["labels"][counted], expected["labels"].numpy()[counted])
+            assert list(actual["labels"][~counted]) == [-100]
+
+
+@pytest.mark.parametrize("weights, sizes, split", [
+    (["30", "70"], (1000, 100, 20), "90,8,2"),
+    (["2", "1", "0.5"], (2000, 100, 0), "98,2,0"),
+    (["1"], (500, 50, 5), "90,8,2"),  # one prefix with a weight still goes through a blend
+])
+def test_weighted_blends(tmp_path, weights, sizes, split):
+    prefixes = make_prefixes(tmp_path, len(weights))
+    blend = [x for pair in zip(weights, prefixes) for x in pair]
+    theirs = megatron_build(blend, sizes, split, 16)
+    ours = build_gpt_datasets(blend, seq_length=16, split=split, sizes=sizes)
+    for their_split, our_split in zip(theirs, ours):
+        assert_same(their_split, our_split)
+
+
+@pytest.mark.parametrize("sizes", [(None, None, None), (700, 40, None), (10**6, 10, 3)])
+def test_unweighted_glob(tmp_path, capfd, sizes):
+    # NeMo AutoModel turns the glob into the sorted prefixes without weights: one epoch of each, in proportion
+    prefixes = make_prefixes(tmp_path, 3)
+    theirs = megatron_build(sorted(prefixes), sizes, "90,8,2", 16)
+    ours = build_gpt_datasets(str(tmp_path / "part_*_text_document*"), seq_length=16, split="90,8,2", sizes=sizes)
+    for their_split, our_split in zip(theirs, ours):
+        assert_same(their_split, our_split)
+    capped = f"train: an unweighted blend is one epoch of each prefix, {len(ours[0])} samples, fewer than the 1000000"
+    assert (capped in capfd.readouterr().err) == (sizes[0] == 10**6)
+
+
+def test_token_weighted_blend_trains_past_one_epoch(tmp_path, capfd):
+    # megatron-core caps an unweighted list of prefixes at one epoch of each; a Megatron user wanting more weights
+    # the prefixes, here by their token counts, and then gets as many samples as asked, from whole epochs of each
+    prefixes = make_prefixes(tmp_path, 3)
+    glob_of_prefixes = str(tmp_path / "part_*_text_document*")
+    one_epoch = len(megatron_build(prefixes, (None, None, None), "90,8,2", 16)[0])
+    sizes = (3 * one_epoch + 17, 100, 20)
+    capped = megatron_build(prefixes, sizes, "90,8,2", 16)[0]
+    assert len(capped) == one_epoch  # megatron's unweighted list: one epoch, not the size asked
+    blend = token_weighted_blend(glob_of_prefixes)
+    assert blend == [x for prefix in prefixes for x in (str(IndexedDataset(prefix).num_tokens), prefix)]
+    theirs = megatron_build(blend, sizes, "90,8,2", 16)
+    ours = build_gpt_datasets(blend, seq_length=16, split="90,8,2", sizes=sizes)
+    assert len(ours[0]) >= sizes[0]
+    for their_split, our_split in zip(theirs, ours):
+        assert_same(their_split, our_split)
+    with pytest.raises(ValueError, match="already weighted"):
+        token_weighted_blend(blend)
+
+
+def test_blending_indices_at_scale():
+    rng = np.random.default_rng(0)
+    cases = [rng.random(d) for d in (2, 3, 7, 40)] + [np.ones(4)]  # equal weights: ties go to the first dataset
+    for weights in cases:
+        weights = weights / weights.sum()
+        size = 300_000
+        dataset_index, dataset_sample_index = np.zeros(size, np.int16), np.zeros(size, np.int64)
+        megatron_helpers.build_blending_indices(dataset_index, dataset_sample_index, weights, len(weights), size,
+                                                False)
+        ours = blending_indices(weights.tolist(), size)
+        np.testing.assert_array_equal(ours[0], dataset_index)
+        np.testing.assert_array_equal(ours[1], dataset_sample_index)
+    for counts in ([120_000, 80_001], [5, 100_000, 3_000, 77_777], rng.integers(1, 20_000, 25)):
+        counts = np.array(counts, dtype=np.int64)
+        dataset_index, dataset_sample_index = np.zeros(counts.sum(), np.int16), np.zeros(counts.sum(), np.int64)
+        megatron_helpers.build_exhaustive_blending_indices(dataset_index, dataset_sample_index, counts, len(counts))
+        ours = blending_indices(counts.tolist())
+        np.testing.assert_array_equal(ours[0], dataset_index)
+        np.testing.assert_array_equal(ours[1], dataset_sample_index)
+
+
+@pytest.mark.parametrize("num_samples, add_extra_token", [(None, True), (1_200_000, True), (500_000, False)])
+def test_gpt_indices_at_scale(tmp_path, num_samples, add_extra_token):
+    class Lengths:  # all megatron's GPTDataset reads of its low-level dataset here
+        path_prefix = str(tmp_path / "lengths")
+        sequence_lengths = np.random.default_rng(1).integers(0, 3000, 400_000).astype(np.int32)
+
+    begin, end = 1000, 390_000
+    config = megatron_config(1024, seed=77, add_extra_token=add_extra_token, path_to_cache=str(tmp_path / "cache"),
+                             blend=get_blend_from_list([Lengths.path_prefix]), split="1")
+    theirs = MegatronGPTDataset(Lengths, Lengths.path_prefix, np.arange(begin, end, dtype=np.int32), num_samples,
+                                Split.train, config)
+    ours = gpt_indices(Lengths.sequence_lengths, begin, end, seq_length=1024, num_samples=num_samples, seed=77,
+                       add_extra_token=add_extra_token)
+    for name, actual in zip(("document_index", "sample_index", "shuffle_index"), ours):
+        expected = getattr(theirs, name)
+        assert actual.dtype == expected.dtype, name
+        np.testing.assert_array_equal(actual, expected, err_msg=name)
+
+
+def test_split_without_tokens_raises_where_megatron_hangs(tmp_path):
+    [prefix] = make_prefixes(tmp_path, 1)  # about 430 sequences: "969,30,1" leaves the test split empty
+    script = textwrap.dedent(f"""
+        import sys, warnings
+        warnings.simplefilter("ignore")
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_indexed_dataset import megatron_build
+        print("building", flush=True)
+        megatron_build([{prefix!r}], [100, 10, 10], "969,30,1", 16)
+        print("returned", flush=True)
+    """)
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "building\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=3)
+    finally:
+        process.kill()
+        process.wait()
+    with pytest.raises(ValueError, match=r"part_0_text_document: its test split .*\[(\d+), \1\)\) has no tokens, "
+                                         r"but 10 samples were asked"):
+        build_gpt_datasets(prefix, seq_length=16, split="969,30,1", sizes=(100, 10, 10))
+    assert build_gpt_datasets(prefix, seq_length=16, split="969,30,1", sizes=(100, 10, None))[2] is None
+    blend = ["1", prefix, "1", make_prefixes(tmp_path / "more", 1, documents=3000, seed=5)[0]]
+    with pytest.raises(ValueError, match=r"part_0_text_document: its test split"):
+        build_gpt_datasets(blend, seq_length=16, split="969,30,1", sizes=(100, 10, 10))
+    with pytest.raises(ValueError, match=r"part_0_text_document: its test split .* so it cannot take part"):
+        build_gpt_datasets([prefix, blend[3]], seq_length=16, split="969,30,1", sizes=(100, 10, 10))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -344,6 +582,29 @@ def test_blend_cache(tmp_path, capfd):
     cached = build(blend, cache)
     assert capfd.readouterr().err == "" and isinstance(cached[0].dataset_index, np.memmap)
     assert all(same_samples(a, b) for a, b in zip(expected, cached))
+
+
+CACHE_WRITE_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+from indexed_dataset import build_gpt_datasets
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+build_gpt_datasets(sys.argv[1], seq_length=16, split="90,8,2", sizes=(2000, 100, 30), cache_dir=sys.argv[2])
+"""
+
+
+def test_a_failed_cache_write_is_one_line_naming_the_file(dataset, tmp_path):
+    cache = str(tmp_path / "cache")
+    result = subprocess.run([sys.executable, "-c", CACHE_WRITE_UNDER_A_SIZE_LIMIT, dataset, cache], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and re.fullmatch(rf"atomic_io\.WriteError: cannot write {re.escape(cache)}/\w+-"
+                                                   r"GPTDataset-train-\w+\.npy: .+", last), result.stderr
+    assert not [name for name in os.listdir(cache) if name.endswith(".tmp")]
+    assert all(same_samples(a, b) for a, b in zip(build(dataset, None), build(dataset, cache)))  # the cache recovers
+    open(tmp_path / "file", "w").close()
+    with pytest.raises(OSError, match=rf"^cannot write {re.escape(str(tmp_path))}/file/cache: Not a directory$"):
+        build(dataset, str(tmp_path / "file" / "cache"))
 
 
 def cache_entries(directory):
@@ -474,6 +735,174 @@ def test_sampler_drives_a_dataloader(dataset):
     batch = next(iter(loader))
     assert batch["tokens"].shape == (4, 16) and batch["tokens"].dtype == torch.int64
     assert torch.equal(batch["tokens"][0], torch.from_numpy(train[12]["tokens"]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Naming the source of a sample, data changed under a run, fingerprints
+
+
+def labelled_documents(rng, count, label=0):
+    """Documents whose every token is `label` + the document's number: a sample's tokens name their documents."""
+    documents = []
+    for d, (tokens, lengths) in enumerate(random_documents(rng, count)):
+        documents.append((np.full(len(tokens), label + d), lengths))
+    return documents
+
+
+def named_documents(description, prefix):
+    """The document numbers a describe() string gives for `prefix`."""
+    match = re.search(rf"{re.escape(prefix)}: documents ([\d, ]+)", description)
+    return {int(d) for d in match.group(1).split(", ")}
+
+
+def test_describe_names_the_documents_of_a_sample(tmp_path):
+    rng = np.random.default_rng(20)
+    a = write_ours(str(tmp_path / "a_text_document"), labelled_documents(rng, 300))
+    b = write_ours(str(tmp_path / "b_text_document"), labelled_documents(rng, 200, label=10_000))
+    train = build_gpt_datasets(a, seq_length=24, split="1", sizes=(600, None, None))[0]  # 2+ epochs
+    for i in range(len(train)):
+        description, text = train.describe(i), np.concatenate([train[i]["tokens"], train[i]["labels"]])
+        assert description.endswith(f"(sample {i})") and named_documents(description, a) == set(text.tolist())
+    blend = build_gpt_datasets(["1", a, "3", b], seq_length=24, split="1", sizes=(300, 0, 0))[0]
+    for i in range(len(blend)):
+        description, text = blend.describe(i), np.concatenate([blend[i]["tokens"], blend[i]["labels"]])
+        prefix, label = (a, 0) if blend.dataset_index[i] == 0 else (b, 10_000)
+        assert re.fullmatch(rf"{re.escape(prefix)}: documents [\d, ]+ \(sample {blend.dataset_sample_index[i]}\), "
+                            rf"blend sample {i}", description)
+        assert {d + label for d in named_documents(description, prefix)} == set(text.tolist())
+    windows = sequential_samples([a, b], seq_length=24, split="1", split_index=0)
+    for k in range(len(windows)):
+        description, text = windows.describe(k), set(windows[k]["tokens"].tolist() + windows[k]["labels"].tolist())
+        named = {d for d in text if d < 10_000}, {d - 10_000 for d in text if d >= 10_000}
+        for prefix, documents in zip((a, b), named):
+            assert (named_documents(description, prefix) if documents else set()) == documents
+        assert description.endswith(f"(window {k})")
+    windows = LLMCValWindows(a, 24, num_tokens=240)
+    assert named_documents(windows.describe(0), a) == set(windows[0]["labels"].tolist())  # tokens[0] is the EOT
+
+
+def overwrite_in_place(prefix, other):
+    """Rewrite prefix's files with other's bytes, as `cp other.* prefix.*` does: the same inodes, new contents."""
+    for suffix in (".bin", ".idx"):
+        data = open(other + suffix, "rb").read()
+        with open(prefix + suffix, "r+b") as f:
+            f.write(data)
+            f.truncate()
+
+
+def test_data_overwritten_in_place_is_named(tmp_path):
+    rng = np.random.default_rng(21)
+    documents = random_documents(rng, 300)
+    prefix = write_ours(str(tmp_path / "d_text_document"), documents)
+    # the same documents twice as long: the same index size, a longer .bin (a shorter one would fault on reading)
+    other = write_ours(str(tmp_path / "other"), [(np.tile(t, 2), [2 * n for n in lengths]) for t, lengths in documents])
+    train = build_gpt_datasets(prefix, seq_length=16, split="1", sizes=(200, None, None))[0]
+    windows = sequential_samples(prefix, seq_length=16, split="1", split_index=0)
+    bin_size = os.path.getsize(prefix + ".bin")
+    overwrite_in_place(prefix, other)
+    with pytest.raises(ValueError, match=rf"{re.escape(prefix)}: changed on disk since it was opened \(sample \d+ "
+                                         rf"has \d+ tokens, not 17; its \.bin had {bin_size} bytes, now "
+                                         rf"{2 * bin_size}\)"):
+        for i in range(len(train)):
+            train[i]
+    with pytest.raises(ValueError, match=rf"{re.escape(prefix)}: changed on disk since it was opened \(window \d+ "
+                                         rf"has \d+ tokens, not 17; its \.bin had"):
+        for k in range(len(windows)):
+            windows[k]
+
+
+def test_data_fingerprints_change_with_the_data_only(tmp_path):
+    rng = np.random.default_rng(22)
+    documents = random_documents(rng, 100)
+    prefixes = [write_ours(str(tmp_path / f"p{i}_text_document"), documents) for i in range(2)]
+    fingerprints = data_fingerprints(str(tmp_path / "p*_text_document"))
+    assert list(fingerprints) == prefixes and len(set(fingerprints.values())) == 1  # the same data, the same print
+    assert json.loads(json.dumps(fingerprints)) == fingerprints
+    assert data_fingerprints(["1", prefixes[0], "2", prefixes[1]]) == fingerprints
+    write_ours(prefixes[0], documents)  # rewritten alike: a new mtime, the same data
+    assert data_fingerprints(prefixes) == fingerprints
+    write_ours(prefixes[0], random_documents(rng, 100))  # other data at the same path
+    changed = data_fingerprints(prefixes)
+    assert changed[prefixes[0]] != fingerprints[prefixes[0]] and changed[prefixes[1]] == fingerprints[prefixes[1]]
+
+
+def test_blend_weights_are_logged_when_the_blend_is_built(tmp_path, capfd):
+    rng = np.random.default_rng(23)
+    a = write_ours(str(tmp_path / "a"), random_documents(rng, 200))
+    b = write_ours(str(tmp_path / "b"), random_documents(rng, 300))
+    capfd.readouterr()
+    train = build_gpt_datasets(["1", a, "3", b], seq_length=16, split="1", sizes=(500, 0, 0))[0]
+    err = capfd.readouterr().err
+    for d, (prefix, weight) in enumerate(((a, "0.25"), (b, "0.75"))):
+        drawn = int((train.dataset_index == d).sum())
+        assert f"indexed_dataset: train blend: {prefix}: weight {weight}, {drawn:,} samples\n" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The command line
+
+
+def cli(capsys, *args):
+    """(exit status, stdout, stderr) of `python indexed_dataset.py ARGS`, run in this process."""
+    status = indexed_dataset.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_info_and_verify(tmp_path, capsys):
+    rng = np.random.default_rng(9)
+    documents = random_documents(rng, 50, vocab=500)
+    prefixes = [write_ours(str(tmp_path / f"d{i}_text_document"), documents) for i in range(2)]
+    tokens = sum(len(t) for t, _ in documents)
+    sequences = sum(len(lengths) for _, lengths in documents)
+    status, out, err = cli(capsys, "info", str(tmp_path / "d*_text_document*"))
+    assert status == 0, err
+    assert f"{prefixes[0]}: 50 documents, {sequences} sequences, {tokens:,} tokens (uint16)" in out
+    assert f"total of 2 prefixes: 100 documents, {2 * sequences} sequences, {2 * tokens:,} tokens" in out
+    expanded = subprocess.run([sys.executable, os.path.join(ROOT, "indexed_dataset.py"), "info",
+                               *sorted(glob.glob(str(tmp_path / "d*_text_document*")))],  # an unquoted glob
+                              capture_output=True, text=True, timeout=120)
+    assert expanded.returncode == 0 and expanded.stdout == out
+
+    status, out, err = cli(capsys, "verify", str(tmp_path / "d*_text_document*"), "--vocab-size", "500")
+    assert status == 0 and out.strip().endswith("OK"), out + err
+    status, out, err = cli(capsys, "verify", prefixes[0], "--vocab-size", "100")
+    assert status == 1 and "outside the vocabulary [0, 100)" in err
+
+    corrupt(prefixes[1], ".bin", append=b"\0\0")
+    status, out, err = cli(capsys, "verify", prefixes[1])
+    assert status == 1
+    assert f"{prefixes[1]}.bin: {2 * tokens + 2} bytes, longer than the {2 * tokens} bytes its index" in err
+
+    status, out, err = cli(capsys, "info", str(tmp_path / "missing"))
+    assert status == 1 and "missing.idx: no such file" in err
+
+
+def test_verify_reads_every_token(tmp_path):
+    prefix = write_ours(str(tmp_path / "d_text_document"), [([1, 2, 3], [3])])
+    with open(prefix + ".bin", "r+b") as f:  # bit rot: the same size, the index still fits
+        f.seek(2)
+        f.write(struct.pack("<H", 999))
+    assert indexed_dataset.verify([prefix], vocab_size=100) == [
+        f"{prefix}.bin: token ids span [1, 999], outside the vocabulary [0, 100)"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # megatron-core's __del__
+def test_verify_fails_on_empty_files(tmp_path, capsys):
+    no_documents = write_ours(str(tmp_path / "none_text_document"), [])
+    empty_documents = write_ours(str(tmp_path / "blank_text_document"), [([], []), ([], [0])])
+    no_index = write_ours(str(tmp_path / "noidx_text_document"), [([1, 2], [2])])
+    open(no_index + ".idx", "wb").close()
+    for prefix in (no_documents, empty_documents):  # 0-byte .bin files, which megatron-core cannot map
+        assert os.path.getsize(prefix + ".bin") == 0
+        with pytest.raises(ValueError, match="cannot mmap an empty file"):
+            MegatronIndexedDataset(prefix)
+    status, out, err = cli(capsys, "verify", str(tmp_path / "*_text_document"))
+    assert status == 1 and out.strip().endswith("3 problem(s)"), out + err
+    assert err.splitlines() == [
+        f"problem: {empty_documents}.bin: no tokens (2 documents): megatron-core cannot map an empty .bin",
+        f"problem: {no_index}.idx: truncated: 0 bytes, less than the 34-byte header",
+        f"problem: {no_documents}.bin: no tokens (0 documents): megatron-core cannot map an empty .bin"]
 
 
 def test_indexed_dataset_imports_without_torch():
