@@ -234,10 +234,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
         """idx (B, T) and max_new_tokens sampled tokens, temperature 0 (or top_k=1) greedy. Call model.eval() first."""
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be None or >= 1, got {top_k}")
+        if temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"temperature must be >= 0 and top_k None or >= 1, got {temperature} and {top_k}")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[0][:, -1, :].float()
             if temperature == 0 or top_k == 1:
@@ -329,8 +327,7 @@ def resolve_pretrained(name_or_path):
          f"activation_function {activation!r} (supported: gelu_new, gelu_pytorch_tanh)"),
         (n_inner not in (None, 4 * n_embd), f"n_inner {n_inner} (supported: null or 4 * n_embd = {4 * n_embd})"),
         (not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False),
-         "a non-standard attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx)"),
-        (hf.get("add_cross_attention", False), "cross-attention")) if unsupported]
+         "a non-standard attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx)")) if unsupported]
     if problems:
         raise ValueError(f"{path}: unsupported GPT-2 variant: {'; '.join(problems)}")
     try:

@@ -1,7 +1,10 @@
 """Training-step throughput (forward, backward, AdamW step) of model.GPT against nanoGPT's GPT (its model.py, from a
-checkout of github.com/karpathy/nanoGPT given by --nanogpt or $NANOGPT_DIR; it is not shipped here) on the same tokens from the same weights: 4 layers, 128 wide, 4 heads, T=64, B=8, vocabulary 50257 padded to 50304
-(nanoGPT computes logits and loss over all 50304 rows, we over the real 50257). The two models alternate step by step,
-fp32 and bf16 autocast; the median of the timed steps is compared.
+checkout of github.com/karpathy/nanoGPT given by --nanogpt or $NANOGPT_DIR; it is not shipped here) on the same
+tokens from the same weights: 4 layers, 128 wide, 4 heads, T=64, B=8, vocabulary 50257 padded to 50304 (both multiply
+by all 50304 rows; nanoGPT's loss counts them all, ours masks the 47 padded ones). Both compiled as their trainers
+do: ours per block (block.compile(), as train_gpt2.py before FSDP2) with the loss head's chunks (compile_loss),
+nanoGPT's whole model with torch.compile; --no-compile runs both eagerly. The two models alternate step by step, fp32
+and bf16 autocast; the median of the timed steps is compared.
 
     git clone https://github.com/karpathy/nanoGPT ../nanoGPT
     python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT
@@ -42,7 +45,12 @@ def build(args):
     ours = GPT(GPTConfig(block_size=args.seq_len, vocab_size=50257, padded_vocab_size=50304, n_layer=4, n_head=4,
                          n_embd=128))
     ours.load_state_dict(theirs.state_dict())
-    models = {"nanoGPT": theirs.to(args.device), "ours": ours.to(args.device)}
+    theirs, ours = theirs.to(args.device), ours.to(args.device)
+    if args.compile:
+        for block in ours.transformer.h:
+            block.compile()
+        ours.compile_loss = True
+    models = {"nanoGPT": torch.compile(theirs) if args.compile else theirs, "ours": ours}
     # the same optimizer for both: nanoGPT's configure_optimizers only reads named_parameters()
     optimizers = {name: nanogpt.GPT.configure_optimizers(m, 0.1, 6e-4, (0.9, 0.95), args.device)
                   for name, m in models.items()}
@@ -78,13 +86,15 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--nanogpt", default=os.environ.get("NANOGPT_DIR"), help="a nanoGPT checkout")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="both models eager")
     args = parser.parse_args()
     args.nanogpt_model = import_nanogpt(args.nanogpt)
     generator = torch.Generator().manual_seed(1)
     data = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     print(f"GPT 4x128, 4 heads, B={args.batch_size} T={args.seq_len}, vocab 50304, AdamW, {args.device}, "
-          f"median of {args.steps} steps after {args.warmup} warm-up, alternating")
+          f"{'compiled' if args.compile else 'eager'}, median of {args.steps} steps after {args.warmup} warm-up, "
+          f"alternating")
     for dtype in (torch.float32, torch.bfloat16):
         models, optimizers = build(args)  # fresh, identical weights for each precision
         seconds, losses = step_seconds(models, optimizers, idx, targets, dtype, args)

@@ -786,9 +786,8 @@ def test_compiles_without_graph_breaks(checkpointing):
     explained = torch._dynamo.explain(chunked_cross_entropy)(x, weight[:60], torch.randint(0, 60, (50,)), 16)
     assert explained.graph_break_count == 0
     # the per-chunk work that compile_loss compiles, with its gradients: one graph
-    count = torch.tensor(50)
-    explained = torch._dynamo.explain(model_module._chunk_loss)(x.detach(), weight.detach(), torch.randint(0, 60, (50,)),
-                                                              60, count, True)
+    chunk = (x.detach(), weight.detach(), torch.randint(0, 60, (50,)), 60, torch.tensor(50), True)
+    explained = torch._dynamo.explain(model_module._chunk_loss)(*chunk)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
@@ -998,6 +997,7 @@ def test_sample_cli_with_a_damaged_newest_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--- sample 1/1 ---" in result.stdout and "Traceback" not in result.stderr
     said = result.stderr.strip().splitlines()
-    assert len(said) == 1 and said[0].startswith(f"skipping damaged checkpoint {newest}: {newest / 'rng.pt'}: truncated")
+    assert len(said) == 1
+    assert said[0].startswith(f"skipping damaged checkpoint {newest}: {newest / 'rng.pt'}: truncated")
     assert said[0].endswith("left in place")
     assert os.path.isdir(newest)
