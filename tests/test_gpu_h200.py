@@ -1,0 +1,22 @@
+"""bench/gpu_h200.sh as written, on CPU with a tiny model: its train_gpt2.py command lines (one process, and torchrun
+with one rank: the FSDP2 path), its bare loops and the nanoGPT-style peer run and print every row of the table, so the
+GPU check can no longer break unseen (it once died on the reference config's val_data_paths before training)."""
+import os
+import re
+import subprocess
+
+from conftest import ROOT
+
+
+def test_gpu_script_runs_on_cpu_with_a_tiny_model():
+    env = dict(os.environ, DEVICE="cpu", MODEL="2 2 32", SEQ="32", BATCH="1", STEPS="2")
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_h200.sh")], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "--val_data_paths=None" in out and "torch.distributed.run --standalone --nproc_per_node 1" in out
+    assert "GPT-2 2x32, 2 heads, T=32, 1 x 32 tokens x 8 forwards per step, float32, cpu" in out
+    for row in ("ours (compile off: cpu)", "ours, plain head", "nanoGPT-style GPT", "train_gpt2.py, one process",
+                "train_gpt2.py, FSDP2 1 rank"):  # tok/s, x ours, MFU (none on a CPU), peak GiB, x ours
+        assert re.search(rf"^{re.escape(row)} +[\d,]+ +\d+\.\d\d +n/a +\d+\.\d\d +\d+\.\d\d$", out, re.M), out
+    assert re.search(r"^ours \(compile off: cpu\) +[\d,]+ +1\.00 ", out, re.M)
