@@ -132,11 +132,11 @@ class IndexedDataset:
     @functools.cached_property
     def fingerprint(self):
         """What changes when the data is replaced: a hash of the index and the .bin's size (the tokens are not read)."""
-        return f"{hashlib.sha256(self._index).hexdigest()[:32]}-{self.sizes['.bin']}"
+        with open(self.path_prefix + ".idx", "rb") as f:  # read, not mapped: the pages stay out of this process
+            return f"{hashlib.file_digest(f, 'sha256').hexdigest()[:32]}-{self.sizes['.bin']}"
 
     def documents(self, sequences):
-        """The documents holding tokens of `sequences`, "documents 7, 3", numbered from 0 in file order."""
-        sequences = np.asarray(sequences)
+        """The documents holding tokens of `sequences` (an array), "documents 7, 3", numbered from 0 in file order."""
         held = np.searchsorted(self.document_indices, sequences[self.sequence_lengths[sequences] > 0], "right") - 1
         return "documents " + ", ".join(map(str, dict.fromkeys(held.tolist())))
 
@@ -156,8 +156,7 @@ class IndexedDataset:
             raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
         sizes = self.sequence_lengths.astype(np.int64)
         if sizes.size and sizes.min() < 0:
-            raise ValueError(f"{idx_path}: corrupt: sequence {int(np.argmin(sizes))} has a negative length "
-                             f"{sizes.min()}")
+            raise ValueError(f"{idx_path}: corrupt: sequence {np.argmin(sizes)} has a negative length {sizes.min()}")
         sizes *= self.dtype.itemsize
         starts = np.cumsum(sizes) - sizes
         bad = np.flatnonzero(self.sequence_pointers != starts)
@@ -178,8 +177,7 @@ class IndexedDatasetBuilder:
         if self.bin_path.endswith(".bin") and os.path.exists(self.bin_path[:-4] + ".idx"):
             os.remove(self.bin_path[:-4] + ".idx")  # it describes the tokens this builder is about to overwrite
         self._bin = open(self.bin_path, "wb")
-        self.sequence_lengths = array("q")
-        self.document_indices = array("q", [0])
+        self.sequence_lengths, self.document_indices = array("q"), array("q", [0])
 
     def add_document(self, tokens, lengths=None):
         """Append one document of 1-D `tokens` made of sequences of `lengths` tokens (default: one sequence, none
@@ -284,8 +282,7 @@ def split_matrix(split):
 
 def split_range(num_sequences, bookends):
     """The [begin, end) sequence range that a split's (start, end) fractions cover (Python's round, half to even)."""
-    start, end = bookends
-    return int(round(start * float(num_sequences))), int(round(end * float(num_sequences)))
+    return tuple(int(round(fraction * float(num_sequences))) for fraction in bookends)
 
 
 def token_weighted_blend(paths):
@@ -512,8 +509,7 @@ class GPTDataset:
 
     def __getitem__(self, i):
         j = self.shuffle_index[i]
-        first, first_offset = self.sample_index[j]
-        last, last_offset = self.sample_index[j + 1]
+        (first, first_offset), (last, last_offset) = self.sample_index[j], self.sample_index[j + 1]
         get, documents = self.dataset.get, self.document_index
         if first == last:
             text = get(documents[first], first_offset, last_offset - first_offset + self.extra)
