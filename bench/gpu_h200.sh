@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT-2 124M at 1024 context on one H200 (or any single GPU), synthetic tokens, estimated 6 minutes: one table of
 # tok/s, MFU and peak memory, each against the first row (bf16 autocast, 524,288-token steps as configs/gpt2_124m.py):
-#   ours                   model.GPT, blocks compiled, chunked loss head: a bare forward/backward/AdamW loop
+#   ours                   model.GPT, blocks and loss-head chunks compiled: a bare forward/backward/AdamW loop
 #   ours, plain head       the same with the full-logits head (nanoGPT's); ours, compile off: no torch.compile
 #   nanoGPT-style GPT      a plain GPT written below (full logits over the padded vocabulary), the whole model
 #                          compiled: the peer a user would pick instead
@@ -110,7 +110,13 @@ peak = train_gpt2.peak_flops(device)
 rows = []  # (name, tok/s, MFU or None, peak GiB)
 
 
-def bare(name, plain_head=False, compile=compile_, model=GPT):
+def ours(cfg, compile_loss=compile_):  # the loss head's chunks compiled with the blocks, as bench_step_vs_nanogpt.py
+    model = GPT(cfg)
+    model.compile_loss = compile_loss
+    return model
+
+
+def bare(name, plain_head=False, compile=compile_, model=ours):
     bench_train.GPT = model  # bare_loop builds its model from this name
     train_gpt2.peak_memory(device, reset=True)
     seconds = bench_train.bare_loop(types.SimpleNamespace(**vars(args), compile=compile), device, bare_steps,
@@ -123,7 +129,7 @@ def bare(name, plain_head=False, compile=compile_, model=GPT):
 bare("ours" + ("" if compile_ else " (compile off: cpu)"))
 bare("ours, plain head", plain_head=True)
 if compile_:
-    bare("ours, compile off", compile=False)
+    bare("ours, compile off", compile=False, model=lambda cfg: ours(cfg, compile_loss=False))
 bare("nanoGPT-style GPT" + (", whole model compiled" if compile_ else ""), compile=False,
      model=lambda cfg: torch.compile(PlainGPT(cfg), disable=not compile_))
 for run, name in (("single", "train_gpt2.py, one process"), ("fsdp", "train_gpt2.py, FSDP2 1 rank")):
