@@ -115,9 +115,10 @@ def ending_losses(model, rendered, *, device, autocast_dtype=None):
 
 @torch.no_grad()
 def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=None, limit=None, batch_size=4,
-             progress=False):
+             progress=False, stopped=None):
     """HellaSwag accuracy on render_all()'s list or load_examples()'s dicts (the first `limit`), acc by the lowest sum:
-    rank r scores examples i % world_size == r, `batch_size` per forward; every rank returns the all_reduced dict."""
+    rank r scores examples i % world_size == r, `batch_size` per forward; every rank returns the all_reduced dict.
+    None when `stopped()` (a collective the training loop passes, asked between batches) says to stop."""
     if model.config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"HellaSwag needs the GPT-2 vocabulary ({VOCAB_SIZE} tokens), not {model.config.vocab_size}")
     examples = examples[:limit]
@@ -129,6 +130,9 @@ def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=No
     model.eval()
     counts = torch.tensor([0, 0, len(mine)], device=device)  # right by mean, by sum; scored. No sync per batch
     for b in tqdm(range(num_batches), desc="hellaswag", unit="batch", disable=not (progress and rank == 0)):
+        if stopped is not None and stopped():
+            model.train(was_training)
+            return None
         chunk = mine[b * batch_size:(b + 1) * batch_size]
         # a rank out of examples runs a forward anyway (FSDP gathers weights collectively); label -1 counts nothing
         sums, means = ending_losses(model, chunk or rendered[:1], device=device, autocast_dtype=autocast_dtype)

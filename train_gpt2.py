@@ -957,7 +957,10 @@ class Evaluator:
         if self.hellaswag is not None and (step > 0 or cfg.eval_only):
             rank, world_size = rank_and_world_size()
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
-                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit)
+                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit,
+                                        stopped=lambda: any_rank(stop.signal is not None))
+            if result is None:
+                return False
             log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
                 f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
                 step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])

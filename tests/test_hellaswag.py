@@ -151,6 +151,15 @@ def test_training_mode_restored_and_small_vocab_refused(hf_dir):
                            hellaswag.load_examples(FIXTURE), device="cpu")
 
 
+def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
+    """The training loop passes `stopped` (a collective over its ranks): once it answers True no batch more runs."""
+    model, calls = from_pretrained(hf_dir), []
+    asked = lambda: calls.append(1) or len(calls) > 2  # noqa: E731: stop before the third batch
+    assert hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", batch_size=1,
+                              stopped=asked) is None
+    assert len(calls) == 3 and model.training
+
+
 def test_two_ranks_give_the_counts_of_one(hf_dir, tmp_path):
 
     # 9 examples, 2 per forward: rank 0 scores 5 (3 forwards), rank 1 scores 4 (2 forwards + 1 to keep FSDP in step)
