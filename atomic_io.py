@@ -12,10 +12,13 @@ from safetensors import SafetensorError
 class WriteError(OSError):
     """A file could not be written (full disk, read-only directory, a file in the path): one line naming it and why."""
 
+    def __str__(self):
+        return f"cannot write {self.filename}: {self.strerror}"
+
 
 def _write_error(path, error):
     reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    return WriteError(f"cannot write {path}: {reason}")
+    return WriteError(getattr(error, "errno", None), reason, str(path))
 
 
 def fsync_dir(path):

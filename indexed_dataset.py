@@ -448,7 +448,7 @@ def cached(cache_dir, name, key, build, write):
         try:
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
-            raise WriteError(f"cannot write {cache_dir}: {error.strerror}") from None
+            raise WriteError(error.errno, error.strerror, cache_dir) from None
         for array_name, values in arrays.items():
             with atomic_write(f"{base}-{array_name}.npy") as f:
                 np.save(f, values)

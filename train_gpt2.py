@@ -424,7 +424,7 @@ def os_error_message(e):
     hints = {errno.ENOSPC: space, errno.EDQUOT: space, errno.EACCES: write, errno.EPERM: write,
              errno.EROFS: "the filesystem is read-only; choose another directory", errno.ENOTDIR: not_dir,
              errno.EEXIST: not_dir, errno.ENOENT: "check the path"}
-    text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else str(e)
+    text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else e.strerror or str(e)
     return f"{text}; {hints[e.errno]}" if e.errno in hints else text
 
 
@@ -506,8 +506,8 @@ def checkpoint_write_error(e, path):
     for where, cause in failures or [("", e)]:
         if isinstance(cause, (OSError, RuntimeError)) and not isinstance(cause, CheckpointException):
             reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
-            message, code = f"writing checkpoint {path} failed{where}: {reason}", getattr(cause, "errno", None)
-            return OSError(code, message) if code else OSError(message)
+            return OSError(getattr(cause, "errno", None), f"writing checkpoint {path} failed{where}: {reason}",
+                           getattr(cause, "filename", None))
     return None
 
 
@@ -857,8 +857,8 @@ def host_batch(dataset, indices, vocab_size, pin):
     top = np.maximum(tokens.max(axis=1), labels.max(axis=1))  # on the host: no device sync
     if top.max() >= vocab_size:
         row = int(top.argmax())
-        where = dataset.describe(indices[row]) if hasattr(dataset, "describe") else f"sample {indices[row]}"
-        raise ValueError(f"token id {top[row]} in {where} is outside the model's vocabulary (vocab_size {vocab_size})")
+        raise ValueError(f"token id {top[row]} in {dataset.describe(indices[row])} is outside the model's vocabulary "
+                         f"(vocab_size {vocab_size})")
     tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 
