@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import time
 import zlib
@@ -33,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic_io import atomic_save, atomic_write
+from atomic_io import WriteError, atomic_save, atomic_write
 from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tokenizer import EOT_ID, SHA256, gpt2_encoding
 
@@ -125,13 +124,12 @@ def locked(output_dir):
             os.close(fd)
             raise OSError(f"{path}: held by another prepare_fineweb.py run ({holder}) writing into {output_dir}; "
                           f"wait for it to end or stop it") from None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                break
-        os.close(fd)  # the run before removed the file between our open and flock: lock the one there now
+        if os.fstat(fd).st_nlink:  # else the run before removed it between our open and flock: lock the new one
+            break
+        os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)  # for the other run's error
+        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)  # for the other run's error
         yield fd
     finally:
         os.remove(path)  # before the unlock: a run that opened it meanwhile sees it gone and opens a new one
@@ -144,11 +142,19 @@ def start_worker(lock_fd):
     os.close(lock_fd)
 
 
+@contextlib.contextmanager
+def reraised(where, what, *errors):
+    """Turn `errors` raised in the block into one line: a ValueError naming `where` and saying `what` went wrong."""
+    try:
+        yield
+    except errors as e:
+        raise ValueError(f"{where}: {what} ({e})") from e
+
+
 def open_parquet(path, text_key):
-    try:  # with pre_buffer, iter_batches fetches every row group's column chunk ahead: the whole file in memory
+    # with pre_buffer, iter_batches fetches every row group's column chunk ahead: the whole file in memory
+    with reraised(path, "not a readable parquet file", pa.ArrowException, OSError):
         parquet = pq.ParquetFile(path, pre_buffer=False)
-    except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: not a readable parquet file ({e})") from e
     names = parquet.schema_arrow.names
     kind = parquet.schema_arrow.field(text_key).type if text_key in names else None
     if kind not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
@@ -157,27 +163,23 @@ def open_parquet(path, text_key):
     return parquet
 
 
-def read_tasks(path, text_key, chunk_bytes):
-    """Yield (kind, payload, number of its first line, byte position reached) for the tasks of one input file."""
-    if path.endswith(".parquet"):
-        yield from parquet_tasks(path, text_key, chunk_bytes)
-        return
+def text_tasks(path, text_key, chunk_bytes):
+    """Yield (task, byte position reached) for the tasks of a JSONL or text file, each of whole lines or documents."""
     kind = "txt" if path.endswith(".txt") else "jsonl"
-    with open(path, "rb") as raw:
+    # a truncated or corrupt .gz raises one of these errors (BadGzipFile is an OSError)
+    with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
         stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
         rest, first_line = b"", 1
-        try:  # reading at least as much as is left over keeps a giant line from being copied over and over
-            while block := stream.read(max(chunk_bytes, len(rest))):
-                block = rest + block
-                # cut after the last line, or for text after the last blank line: documents stay whole in one task
-                ends = [block.rfind(b"\n") + 1] if kind == "jsonl" else [m.end() for m in BLANK_LINE.finditer(block)]
-                if end := max(ends, default=0):
-                    yield kind, block[:end], first_line, raw.tell()
-                    first_line += block.count(b"\n", 0, end)
-                rest = block[end:]
-        except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz (BadGzipFile is an OSError)
-            raise ValueError(f"{path}: unreadable ({e})") from e
-        yield kind, rest, first_line, raw.tell()
+        # reading at least as much as is left over keeps a giant line from being copied over and over
+        while block := stream.read(max(chunk_bytes, len(rest))):
+            block = rest + block
+            # cut after the last line, or for text after the last blank line: documents stay whole in one task
+            ends = [block.rfind(b"\n") + 1] if kind == "jsonl" else [m.end() for m in BLANK_LINE.finditer(block)]
+            if end := max(ends, default=0):
+                yield (path, kind, text_key, first_line, block[:end]), raw.tell()
+                first_line += block.count(b"\n", 0, end)
+            rest = block[end:]
+        yield (path, kind, text_key, first_line, rest), raw.tell()
 
 
 def parquet_tasks(path, text_key, chunk_bytes):
@@ -186,79 +188,63 @@ def parquet_tasks(path, text_key, chunk_bytes):
     metadata, size = parquet.metadata, os.path.getsize(path)
     leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path == text_key)
     groups, group_bytes, rows, total_rows = [], 0, 0, max(metadata.num_rows, 1)  # progress: the share of rows read
-    try:
+    with contextlib.closing(parquet), reraised(path, "unreadable parquet data", pa.ArrowException):
         for group in range(metadata.num_row_groups):
             group_rows = metadata.row_group(group).num_rows
             text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
             big = text_bytes > ROW_GROUP_TASK_CHUNKS * chunk_bytes
             if groups and (big or group_bytes >= chunk_bytes):
-                yield "row_groups", groups, 0, size * rows // total_rows
+                yield (path, "row_groups", text_key, 0, groups), size * rows // total_rows
                 groups, group_bytes = [], 0
             if big:
                 batch_rows = max(1, group_rows * chunk_bytes // text_bytes)
                 for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
                     rows += batch.num_rows
-                    yield "texts", batch.column(0), 0, size * rows // total_rows
+                    yield (path, "texts", text_key, 0, batch.column(0)), size * rows // total_rows
             else:
                 groups.append(group)
                 group_bytes += text_bytes
                 rows += group_rows
-    except pa.ArrowException as e:
-        raise ValueError(f"{path}: unreadable parquet data ({e})") from e
-    finally:
-        parquet.close()
     if groups:
-        yield "row_groups", groups, 0, size
+        yield (path, "row_groups", text_key, 0, groups), size
 
 
 parquet_file = functools.lru_cache(maxsize=1)(functools.partial(pq.ParquetFile, pre_buffer=False))  # kept open
 
 
-def decode(raw):
-    """(text, whether raw was invalid UTF-8): invalid bytes become U+FFFD instead of stopping the run."""
-    try:
-        return raw.decode(), False
-    except UnicodeDecodeError:
-        return raw.decode(errors="replace"), True
-
-
-def task_texts(path, kind, text_key, first_line, payload):
-    """Yield (text or None, whether it was invalid UTF-8) for every document of one task, in order (in a worker)."""
+def encode_task(task):
+    """Tokenize one task in a worker: (uint16 tokens with EOT after each document, int64 document lengths, counts)."""
+    path, kind, text_key, first_line, payload = task
+    if kind == "row_groups":
+        with reraised(path, f"unreadable parquet data in row groups {payload[0]}-{payload[-1]}", pa.ArrowException):
+            payload = parquet_file(path).read_row_groups(payload, columns=[text_key]).column(0)
     if kind == "jsonl":
-        for number, line in enumerate(payload.split(b"\n"), first_line):
-            if not line.strip():  # blank lines between records are not records
-                continue
-            (line, invalid), where = decode(line), f"{path}, line {number}"
+        raws = payload.split(b"\n")
+    elif kind == "txt":  # a document is a run of lines that are not blank, without its final line break
+        raws = [document.rstrip(b"\r\n") for document in TEXT_DOCUMENT.findall(payload)]
+    else:  # parquet texts as bytes, so that invalid UTF-8 is replaced and counted as in the other kinds
+        raws = payload.cast(pa.large_binary()).fill_null(b"").to_pylist()
+    encoding, pieces, lengths = gpt2_encoding(), [], []
+    counts = collections.Counter(empty_skipped=0, invalid_utf8=0)
+    for number, text in enumerate(raws, first_line):  # number: of the line, in a JSONL file
+        if kind == "jsonl" and not text.strip():  # blank lines between records are not records
+            continue
+        try:  # invalid UTF-8 becomes U+FFFD instead of stopping the run
+            text, invalid = text.decode(), False
+        except UnicodeDecodeError:
+            text, invalid = text.decode(errors="replace"), True
+        if kind == "jsonl":
+            where = f"{path}, line {number}"
             try:
-                record = json.loads(line)
+                record = json.loads(text)
             except ValueError as e:
                 raise ValueError(f"{where}: not valid JSON ({e})") from e
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object")
             if text_key not in record:
                 raise ValueError(f"{where}: no key {text_key!r} (keys: {', '.join(record)}); pick one with --text-key")
-            if record[text_key] is not None and not isinstance(record[text_key], str):
-                raise ValueError(f"{where}: the {text_key!r} value is {type(record[text_key]).__name__}, not a string")
-            yield record[text_key], invalid
-        return
-    if kind == "row_groups":
-        try:
-            payload = parquet_file(path).read_row_groups(payload, columns=[text_key]).column(0)
-        except pa.ArrowException as e:
-            raise ValueError(f"{path}: unreadable parquet data in row groups {payload[0]}-{payload[-1]} ({e})") from e
-    if kind in ("row_groups", "texts"):  # as bytes, so invalid UTF-8 is replaced (and counted) by decode
-        payload = payload.cast(pa.large_binary()).to_pylist()
-    elif kind == "txt":  # a document is a run of lines that are not blank, without its final line break
-        payload = [document.rstrip(b"\r\n") for document in TEXT_DOCUMENT.findall(payload)]
-    for raw in payload:
-        yield decode(raw) if raw is not None else (None, False)
-
-
-def encode_task(task):
-    """Tokenize one task: (uint16 tokens with EOT after each document, int64 document lengths, counts)."""
-    encoding, pieces, lengths = gpt2_encoding(), [], []
-    counts = collections.Counter(empty_skipped=0, invalid_utf8=0)
-    for text, invalid in task_texts(*task):
+            if (text := record[text_key]) is not None and not isinstance(text, str):
+                raise ValueError(f"{where}: the {text_key!r} value is {type(text).__name__}, not a string")
         if not text:
             counts["empty_skipped"] += 1
             continue
@@ -280,8 +266,8 @@ def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, 
     input. Pool.imap would read all its tasks ahead (a 100 GB input in RAM): here 2 per worker are in flight."""
     def submit():  # (index, position reached, the task's result or None at the end of the input)
         for index in todo:
-            for kind, payload, first_line, position in read_tasks(inputs[index], text_key, chunk_bytes):
-                task = (inputs[index], kind, text_key, first_line, payload)
+            tasks = parquet_tasks if inputs[index].endswith(".parquet") else text_tasks
+            for task, position in tasks(inputs[index], text_key, chunk_bytes):
                 yield index, position, pool.apply_async(encode_task, (task,))
             yield index, os.path.getsize(inputs[index]), None
 
@@ -489,7 +475,8 @@ def main(argv=None):
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers, chunk_bytes=args.chunk_bytes,
                 val_tokens=val_tokens)
     except (ValueError, OSError) as e:  # a raw OSError (a removal, a directory) puts its file first, not its errno
-        sys.exit(f"prepare_fineweb.py: error: {f'{e.filename}: {e.strerror}' if getattr(e, 'filename', None) else e}")
+        raw = getattr(e, "filename", None) and not isinstance(e, WriteError)  # WriteError says "cannot write <file>"
+        sys.exit(f"prepare_fineweb.py: error: {f'{e.filename}: {e.strerror}' if raw else e}")
     except KeyboardInterrupt:
         sys.exit("prepare_fineweb.py: interrupted; run the same command again to resume")
 
