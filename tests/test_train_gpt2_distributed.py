@@ -380,15 +380,16 @@ def test_demo_end_to_end(tmp_path):
     out = tmp_path / "demo"
     result = run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), os.path.join(ROOT, "configs", "demo_cpu.py"),
                   f"--data_paths={str(data_dir / 'processed_data_0_text_document')!r}", f"--out_dir={str(out)!r}",
-                  "--max_steps=30", "--val_every_steps=15", "--sample_tokens=16", "--ckpt_every_steps=0",
+                  "--max_steps=50", "--val_every_steps=25", "--sample_tokens=16", "--ckpt_every_steps=0",
                   f"--hellaswag={os.path.join(ROOT, 'tests', 'fixtures', 'hellaswag_small.jsonl')!r}"])
     log = vislog(out / "main.log")
-    assert sorted(log["trl"]) == list(range(30)) and sorted(log["tel"]) == [0, 15, 30]
-    assert sorted(log["eval"]) == [15, 30] and all(0 <= acc <= 1 for acc in log["eval"].values())  # HellaSwag
+    assert sorted(log["trl"]) == list(range(50)) and sorted(log["tel"]) == [0, 25, 50]
+    assert sorted(log["eval"]) == [25, 50] and all(0 <= acc <= 1 for acc in log["eval"].values())  # HellaSwag
     assert log["trl"][0] == pytest.approx(10.9, abs=0.3)  # about ln(50257) at init
-    assert log["trl"][29] < log["trl"][0] - 3 and log["tel"][30] < log["tel"][0] - 2
-    assert len(re.findall(r"sample: ", result.stdout)) == 2  # at step 15 and at the end
-    assert set(metrics(out, "sample")) == {15, 30}
+    # lr 1e-3 (the demo's, without the spikes of 3e-3) needs 50 steps for the 3-nat fall 3e-3 made in 30
+    assert log["trl"][49] < log["trl"][0] - 3 and log["tel"][50] < log["tel"][0] - 2
+    assert len(re.findall(r"sample: ", result.stdout)) == 2  # at step 25 and at the end
+    assert set(metrics(out, "sample")) == {25, 50}
 
 
 def test_token_ids_outside_the_vocabulary_stop_before_the_first_step(data, tmp_path):
