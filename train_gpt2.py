@@ -56,7 +56,7 @@ from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints
                    is_run_or_checkpoint, load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state,
                    resolve_checkpoint, resolve_pretrained, set_aside)
 from sample import sample_texts
-from tokenizer import VOCAB_SIZE
+from tokenizer import VOCAB_SIZE, write_hf_tokenizer
 
 
 @dataclass
@@ -657,31 +657,27 @@ def write_run_config(cfg):
 
 
 def publish_hf(model, cfg):
-    """The final weights as out_dir/hf, written aside and renamed; an hf/ without HF_MARKER is moved aside, not lost."""
+    """The final weights (and, with GPT-2's vocabulary, its tokenizer) as out_dir/hf, swapped in whole by export_hf;
+    an hf/ without HF_MARKER was not written here and is moved aside, not replaced."""
     if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
         model.reshard()
     assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
-    t0 = time.perf_counter()
-    hf_dir = os.path.join(cfg.out_dir, "hf")
-    tmp = os.path.join(cfg.out_dir, f".hf.{broadcast_object(os.getpid())}.tmp")  # rank 0's name on every rank
-    export_hf(model, tmp)  # one tensor at a time gathered to rank 0, which writes
-    if is_master():
-        with atomic_write(os.path.join(tmp, HF_MARKER), "w", encoding="utf-8") as f:
+    t0, hf_dir = time.perf_counter(), os.path.join(cfg.out_dir, "hf")
+    if is_master() and os.path.isdir(hf_dir) and not os.path.exists(os.path.join(hf_dir, HF_MARKER)):
+        moved = f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(hf_dir, moved)
+        print(f"{hf_dir} was not written by train_gpt2.py; moved to {moved}")
+
+    def extra_files(directory):
+        if model.config.vocab_size == VOCAB_SIZE:
+            write_hf_tokenizer(directory)
+        with atomic_write(os.path.join(directory, HF_MARKER), "w", encoding="utf-8") as f:
             json.dump(dict(written_by="train_gpt2.py", step=cfg.max_steps), f)
-        old = None
-        if os.path.isdir(hf_dir):
-            ours = os.path.exists(os.path.join(hf_dir, HF_MARKER))
-            old = os.path.join(cfg.out_dir, f".hf.{os.getpid()}.old") if ours else \
-                f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.rename(hf_dir, old)
-            if not ours:
-                print(f"{hf_dir} was not written by train_gpt2.py; moved to {old}")
-        os.rename(tmp, hf_dir)
-        fsync_dir(cfg.out_dir)
-        if old is not None and old.endswith(".old"):
-            shutil.rmtree(old)
-        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
+
+    export_hf(model, hf_dir, extra_files=extra_files)  # one tensor at a time gathered to rank 0, which writes
     barrier()
+    if is_master():
+        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
 
 
 # -----------------------------------------------------------------------------
@@ -733,12 +729,12 @@ def build_model(model_config, init, cfg, device):
     model.to_empty(device=device)
     if not dist.is_initialized():  # to_empty() gave a plain model two embedding tensors: tie them again
         model.lm_head.weight = model.transformer.wte.weight
+    model.compile_loss = cfg.compile  # the loss head's chunks compiled like the blocks
     kind, source = init
     if kind == "seed":
         init_sharded(model, source)
-    elif kind == "hf" and load_hf_sharded(model, source) == "full" and is_master():
-        print(f"{source}: pytorch_model.bin is a pickle, which cannot be read in slices: rank 0 loaded it and sent "
-              f"each tensor to every rank")
+    elif kind == "hf":
+        load_hf_sharded(model, source)
     return model
 
 

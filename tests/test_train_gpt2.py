@@ -768,3 +768,48 @@ def test_recipe_configs_load_with_the_reference_shapes(name, layers, width, head
     cfg = train_gpt2.load_config([os.path.join(ROOT, "configs", f"{name}.py")])
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.max_steps) == (layers, width, heads, steps)
     assert cfg.global_batch_size * cfg.seq_length == tokens_per_step and cfg.val_data_paths and cfg.split == "100,0,0"
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab_run(tmp_path_factory):
+    """Two steps of a 2-layer GPT-2 with the real vocabulary on Shakespeare tokens: its hf/ is what users load."""
+    base = tmp_path_factory.mktemp("gpt2_vocab")
+    prefix = str(base / "shakespeare")
+    text = open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8").read()
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for block in text.split("\n\n")[:2000]:
+        builder.add_document(np.array(gpt2_encoding().encode_ordinary(block) + [EOT_ID], np.uint16))
+    builder.finalize(prefix + ".idx")
+    out = base / "out"
+    assert train_gpt2.main(tiny(prefix, out, vocab_size=50257, max_steps=2, index_mapping_dir=str(base / "cache"))) == 0
+    return out / "hf"
+
+
+def test_hf_export_holds_the_gpt2_tokenizer_and_transformers_pipeline_extends_a_prompt(gpt2_vocab_run):
+    from transformers import AutoTokenizer, pipeline
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_vocab_run)
+    for text in ("ROMEO:\nBut, soft! what light", "naïve café  \t<|endoftext|> 日本語"):
+        assert tokenizer(text)["input_ids"] == gpt2_encoding().encode(text, allowed_special="all")
+    generator = pipeline("text-generation", model=str(gpt2_vocab_run), device="cpu")
+    out = generator("ROMEO:", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert out.startswith("ROMEO:") and len(tokenizer(out)["input_ids"]) > len(tokenizer("ROMEO:")["input_ids"])
+
+
+def test_hf_export_loads_the_way_lm_eval_harness_loads_it_and_scores_as_our_model(gpt2_vocab_run):
+    """lm-eval's HFLM: AutoConfig, AutoTokenizer (fast), AutoModelForCausalLM, then a continuation's log-likelihood
+    from the logits of context + continuation; here against model.py's own logits."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from model import load_model
+    AutoConfig.from_pretrained(gpt2_vocab_run)
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_vocab_run, use_fast=True)
+    hf = AutoModelForCausalLM.from_pretrained(gpt2_vocab_run).eval()
+    context, continuation = tokenizer("Good morrow,")["input_ids"], tokenizer(" sweet lady")["input_ids"]
+    tokens = torch.tensor([context + continuation])
+    with torch.no_grad():
+        ours = load_model(str(gpt2_vocab_run.parent))(tokens)[0]
+        theirs = hf(tokens).logits
+    loglik = [F.log_softmax(logits[0, len(context) - 1:-1], -1).gather(1, tokens[0, len(context):, None]).sum()
+              for logits in (theirs, ours)]
+    assert torch.allclose(loglik[0], loglik[1], atol=1e-4), loglik
