@@ -93,3 +93,14 @@ def test_the_training_loop_fits_on_a_screen_and_no_function_is_long():
     assert lengths["train_gpt2.train"] <= 100
     long = {name: n for name, n in lengths.items() if n > 120}
     assert not long, long
+
+
+def test_tests_mirror_the_files():
+    """tests/test_<module>.py per module, its torchrun tests in test_<module>_distributed.py; besides them only this
+    file and the GPU script's CPU check."""
+    tests = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "tests"))
+                   if name.startswith("test_") and name.endswith(".py"))
+    allowed = {f"test_{m}" for m in MODULES} | {f"test_{m}_distributed" for m in MODULES}
+    allowed |= {"test_layout", "test_gpu_h200"}
+    assert set(tests) <= allowed, sorted(set(tests) - allowed)
+    assert {f"test_{m}" for m in MODULES} <= set(tests), sorted({f"test_{m}" for m in MODULES} - set(tests))
