@@ -56,7 +56,7 @@ from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints
                    is_run_or_checkpoint, load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state,
                    resolve_checkpoint, resolve_pretrained, set_aside)
 from sample import sample_texts
-from tokenizer import VOCAB_SIZE, write_hf_tokenizer
+from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
 
 
 @dataclass
@@ -669,8 +669,10 @@ def publish_hf(model, cfg):
         print(f"{hf_dir} was not written by train_gpt2.py; moved to {moved}")
 
     def extra_files(directory):
-        if model.config.vocab_size == VOCAB_SIZE:
+        if model.config.vocab_size == VOCAB_SIZE:  # GPT-2's tokenizer, and generation that stops at its EOT
             write_hf_tokenizer(directory)
+            with atomic_write(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as f:
+                json.dump(dict(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID), f, indent=2)
         with atomic_write(os.path.join(directory, HF_MARKER), "w", encoding="utf-8") as f:
             json.dump(dict(written_by="train_gpt2.py", step=cfg.max_steps), f)
 

@@ -786,7 +786,8 @@ def gpt2_vocab_run(tmp_path_factory):
 
 
 def test_hf_export_holds_the_gpt2_tokenizer_and_transformers_pipeline_extends_a_prompt(gpt2_vocab_run):
-    from transformers import AutoTokenizer, pipeline
+    from transformers import AutoTokenizer, GenerationConfig, pipeline
+    assert GenerationConfig.from_pretrained(gpt2_vocab_run).eos_token_id == EOT_ID
     tokenizer = AutoTokenizer.from_pretrained(gpt2_vocab_run)
     for text in ("ROMEO:\nBut, soft! what light", "naïve café  \t<|endoftext|> 日本語"):
         assert tokenizer(text)["input_ids"] == gpt2_encoding().encode(text, allowed_special="all")
