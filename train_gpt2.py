@@ -15,7 +15,6 @@ import dataclasses
 import difflib
 import errno
 import fcntl
-import collections
 import gc
 import hashlib
 import importlib.util
@@ -466,25 +465,24 @@ def last_good_checkpoint(ckpt_root):
     return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
 
 
+def nonfinite(model, optimizer=None):
+    """This rank's parameters (and AdamW moments) holding NaN or inf, or a negative exp_avg_sq; one device sync."""
+    local = lambda t: t.detach().to_local() if hasattr(t, "to_local") else t.detach()  # noqa: E731
+    checks = {name: torch.isfinite(local(p)).all() for name, p in model.named_parameters()}
+    names = {p: name for name, p in model.named_parameters()}
+    for p, state in (optimizer.state.items() if optimizer is not None else ()):
+        sq = local(state["exp_avg_sq"])
+        checks[names[p] + " (AdamW moments)"] = torch.isfinite(local(state["exp_avg"])).all() & \
+            (torch.isfinite(sq) & (sq >= 0)).all()
+    return [name for name, ok in zip(checks, torch.stack(list(checks.values())).tolist()) if not ok]
+
+
 def assert_finite(model, what, ckpt_root):
     """Raise FloatingPointError on every rank when any rank's shard holds NaN or inf: none is saved or exported."""
-    params = dict(model.named_parameters())
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params.values()]
-    finite = torch.stack([torch.isfinite(t.detach()).all() for t in local]).tolist()  # one device sync, not one each
-    bad = [name for name, ok in zip(params, finite) if not ok]
+    bad = nonfinite(model)
     if any_rank(bad):
         raise FloatingPointError(f"{what}: parameters hold NaN or inf (" + (", ".join(bad[:3]) or "on another rank")
                                  + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
-
-
-def state_is_sane(model, optimizer):
-    """Whether this rank's weights and AdamW moments are finite and exp_avg_sq >= 0, in one device reduction."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    checks = [torch.isfinite(local(p)).all() for p in model.parameters()]
-    for state in optimizer.state.values():
-        sq = local(state["exp_avg_sq"])
-        checks += [torch.isfinite(local(state["exp_avg"])).all(), (torch.isfinite(sq) & (sq >= 0)).all()]
-    return bool(torch.stack(checks).all())
 
 
 def fsync_tree(path):
@@ -564,7 +562,7 @@ def load_checkpoint(ckpt_path, model, optimizer):
             state = {"model": model_state, "optim": optim_state}
             dcp.load(state, checkpoint_id=path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            if not state_is_sane(model, optimizer):
+            if nonfinite(model, optimizer):
                 raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite Adam moment")
             # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all
             rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
@@ -741,14 +739,9 @@ def build_model(model_config, init, cfg, device):
 
 
 def memory_plan(model_config, cfg, world_size, device):
-    """(text, GiB) of what one rank will hold at its peak, warning with the keys to change when it will not fit:
-    - fp32 parameters, gradients and AdamW's two moments (optimizer), sharded: 16 bytes per parameter / world size;
-    - under FSDP2 with gradient accumulation, the unsharded fp32 gradients it accumulates between reductions (4 bytes
-      per parameter), and its bf16 all-gathered block weights (two blocks in flight);
-    - with bf16 autocast on one device, the bf16 copies of the weights (2 bytes per parameter);
-    - one micro-batch's activations: ~34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash
-      attention), only the block inputs with activation checkpointing, double in fp32;
-    - the loss head's chunk: its fp32 logits, their exponentials and their gradient (3 x rows x padded vocab x 4)."""
+    """(text, GiB) of what one rank will hold at its peak, with the keys to change when it will not fit. Activations:
+    ~34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash attention), only the block inputs
+    with activation checkpointing, double in fp32; the loss head's chunk: fp32 logits, exponentials and gradient."""
     with torch.device("meta"):
         model = GPT(model_config)
     n = sum(p.numel() for p in model.parameters())
@@ -760,6 +753,7 @@ def memory_plan(model_config, cfg, world_size, device):
     vocab = model_config.padded_vocab_size or model_config.vocab_size
     parts = {
         "parameters": 4 * n / world_size, "gradients": 4 * n / world_size, "optimizer": 8 * n / world_size,
+        # FSDP2 accumulates unsharded fp32 gradients between reductions; it gathers two blocks at a time
         "FSDP2 gradient accumulators": 4 * n if sharded and accumulating else 0,
         "FSDP2 gathered blocks": 2 * act_bytes * n_block if sharded else 0,
         "autocast copies": 2 * n if not sharded and cfg.dtype == "bfloat16" else 0,
@@ -1060,7 +1054,7 @@ class StepLog:
         peak = peak_flops(device)
         self.mfu_scale = flops_per_token / (peak * self.world_size) if peak else None
         self.pending = []  # (step, lr, host stats, start, end, peak GiB): start/end are CUDA events or host times
-        self.recent = collections.deque(maxlen=2)  # (end, host stats) of the last two steps, for the stop flag
+        self.recent = []  # (end, host stats) of the last two steps, for the stop flag
         self.stop_flag = torch.zeros((), device=device)
         self.run_peak_gib = 0.0
 
@@ -1088,7 +1082,7 @@ class StepLog:
         peak_gib, self.memory_label = peak_memory(self.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
-        self.recent.append((end, host))
+        self.recent = self.recent[-1:] + [(end, host)]
 
     def stop_requested(self, stop):
         """Whether a rank was asked to stop, agreed by every rank at every step from numbers the host already has: on
