@@ -41,12 +41,9 @@ SAMPLE_TOKENS = {"10BT": 10e9, "100BT": 100e9, "350BT": 350e9}  # named by their
 OUTPUT_BYTES_PER_TOKEN = 2 + 20 / 670  # a uint16 token, and 20 .idx bytes a document of FineWeb's ~670 tokens
 HUB_VAL_TOKENS = 100_000_000  # llm.c's and build-nanogpt's val shard: the first 100M tokens
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".txt")
-# text per worker task: pickling is noise next to ~0.2 s of tokenizing, and 2 tasks in flight per worker are little RAM
-CHUNK_BYTES = 1 << 20
-ROW_GROUP_TASK_CHUNKS = 16  # a bigger parquet row group is read here in batches, not whole by a worker
+CHUNK_BYTES = 1 << 20  # text per task: pickling it is noise next to ~0.2 s of tokenizing; 2 in flight, little RAM
 BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 TEXT_DOCUMENT = re.compile(rb"(?:^[^\S\n]*\S[^\n]*\n?)+", re.MULTILINE)  # a run of lines that are not blank
-SUMMARY_NAME, VAL_NAME, LOCK_NAME = "summary.json", "val_text_document", ".prepare.lock"
 OUTPUT_FILE = re.compile(r"((?:processed_data_\d+|val)_text_document)\.(?:bin|idx)")  # group 1: the prefix
 OUR_FILE = re.compile(rf"{OUTPUT_FILE.pattern}|summary\.json")
 TEMPORARY_FILE = re.compile(rf"\.({OUR_FILE.pattern})\.\d+\.tmp")  # atomic_io's name for what it is writing
@@ -114,7 +111,7 @@ def find_inputs(pattern, output_dir=None):
 @contextlib.contextmanager
 def locked(output_dir):
     """Hold an exclusive flock on output_dir/.prepare.lock for the block: a second run there stops at once."""
-    path = os.path.join(output_dir, LOCK_NAME)
+    path = os.path.join(output_dir, ".prepare.lock")
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -166,7 +163,6 @@ def open_parquet(path, text_key):
 def text_tasks(path, text_key, chunk_bytes):
     """Yield (task, byte position reached) for the tasks of a JSONL or text file, each of whole lines or documents."""
     kind = "txt" if path.endswith(".txt") else "jsonl"
-    # a truncated or corrupt .gz raises one of these errors (BadGzipFile is an OSError)
     with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
         stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
         rest, first_line = b"", 1
@@ -192,7 +188,7 @@ def parquet_tasks(path, text_key, chunk_bytes):
         for group in range(metadata.num_row_groups):
             group_rows = metadata.row_group(group).num_rows
             text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
-            big = text_bytes > ROW_GROUP_TASK_CHUNKS * chunk_bytes
+            big = text_bytes > 16 * chunk_bytes  # a bigger row group is read here in batches, not whole by a worker
             if groups and (big or group_bytes >= chunk_bytes):
                 yield (path, "row_groups", text_key, 0, groups), size * rows // total_rows
                 groups, group_bytes = [], 0
@@ -262,8 +258,7 @@ def encode_task(task):
 
 
 def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar):
-    """Yield (index, tokens) for every document of the inputs numbered `todo`, in order, and (index, None) after each
-    input. Pool.imap would read all its tasks ahead (a 100 GB input in RAM): here 2 per worker are in flight."""
+    """Yield (index, tokens) for every document of the inputs numbered `todo` in order, and (index, None) after each."""
     def submit():  # (index, position reached, the task's result or None at the end of the input)
         for index in todo:
             tasks = parquet_tasks if inputs[index].endswith(".parquet") else text_tasks
@@ -271,7 +266,7 @@ def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, 
                 yield index, position, pool.apply_async(encode_task, (task,))
             yield index, os.path.getsize(inputs[index]), None
 
-    submitted = submit()
+    submitted = submit()  # 2 tasks per worker in flight: Pool.imap reads all ahead (a 100 GB input in RAM)
     pending, documents, tokens, file_position = collections.deque(itertools.islice(submitted, 2 * workers)), 0, 0, 0
     while pending:
         index, position, result = pending.popleft()
@@ -322,19 +317,16 @@ def is_finished(prefix, entry):
     """Whether the dataset at `prefix` is the complete one that summary.json's `entry` describes."""
     if entry["output"] is None:  # every document of the input went to val, or it had none
         return entry["documents"] == 0
-    try:  # an empty output (of older code) is redone, as megatron-core cannot map an empty .bin
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an empty one (older code) is redone too
         dataset = IndexedDataset(prefix)  # checks the index, and that the .bin holds exactly its tokens
-        return (dataset.dtype == np.uint16 and dataset.num_documents == len(dataset) == entry["documents"] > 0
-                and dataset.num_tokens == entry["tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return dataset.num_documents == len(dataset) == entry["documents"] > 0 and dataset.num_tokens == entry["tokens"]
+    return False
 
 
 def kept_outputs(output_dir, fingerprints, val_tokens):
-    """(val entry or None, {index: entry}, summary) of an earlier run's summary.json that still hold. Val is kept only
-    with the outputs of every input it draws from; when it is redone so is every output, as theirs start at its end."""
-    try:  # a missing or damaged summary.json keeps nothing
-        with open(os.path.join(output_dir, SUMMARY_NAME)) as f:
+    """(val entry or None, {index: entry}, summary) of an earlier run that still hold; a redone val redoes them all."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):  # a damaged summary keeps nothing
+        with open(os.path.join(output_dir, "summary.json")) as f:
             earlier = json.load(f)
         files = {entry["index"]: dict(entry, kept=True) for entry in earlier["files"]
                  if entry["index"] < len(fingerprints) and entry["fingerprint"] == fingerprints[entry["index"]]
@@ -342,11 +334,10 @@ def kept_outputs(output_dir, fingerprints, val_tokens):
         if not val_tokens:
             return None, files, earlier
         val, last = earlier["val"], earlier["val"]["last_input"]
+        # val is kept only with the outputs of every input it draws from; theirs start at its end
         if (val["fingerprint"] == fingerprints[last] and all(index in files for index in range(last + 1))
-                and is_finished(os.path.join(output_dir, VAL_NAME), val)):
+                and is_finished(os.path.join(output_dir, "val_text_document"), val)):
             return dict(val, kept=True), files, earlier
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        pass
     return None, {}, {}
 
 
@@ -403,37 +394,33 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             tokenized = sum(entry["tokens"] for entry in outputs if not entry["kept"])
             summary.update(finished=finished, seconds=round(seconds, 3), workers=workers, options=options, val=val,
                            tokens_per_second=round(tokenized / max(seconds, 1e-9)), files=entries)
-            with atomic_write(os.path.join(output_dir, SUMMARY_NAME), "w") as f:
+            with atomic_write(os.path.join(output_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
             return summary
-
-        def finish(index, documents):  # documents: those of the input that did not go to val
-            written = write_output(output_prefix(output_dir, index), documents)
-            files[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
-                                fingerprint=fingerprints[index], **written, **counts[index],
-                                input_bytes=os.path.getsize(inputs[index]))
-            save(finished=False)
-            if not counts[index]["input_documents"]:
-                tqdm.write(f"{inputs[index]}: warning: no documents (an empty file, or only empty texts), so no output",
-                           file=sys.stderr)
-            tqdm.write(f"{written['output'] or inputs[index]}: {written['documents']:,} documents, "
-                       f"{written['tokens']:,} tokens")
 
         with multiprocessing.Pool(workers, start_worker, (lock,)) as pool, tqdm(
                 total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
                 desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
             stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
+            ended = []  # the inputs whose every document went to val
             if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
-                ended, val_prefix = [], os.path.join(output_dir, VAL_NAME)
+                val_prefix = os.path.join(output_dir, "val_text_document")
                 val = write_output(val_prefix, val_documents(stream, val_tokens, ended))
                 last = min(len(ended), len(inputs) - 1)  # the input of the last val document
                 val.update(last_input=last, fingerprint=fingerprints[last])
                 tqdm.write(f"{val_prefix}: {val['documents']:,} documents, {val['tokens']:,} tokens, inputs 0-{last}")
-                for index in ended:
-                    finish(index, iter(()))
-            for index in todo:
-                if index not in files:  # its documents: the stream up to the end of its input
-                    finish(index, (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream)))
+            for index in todo:  # its documents: none if val took them all, else the stream up to the end of its input
+                rest = (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream))
+                written = write_output(output_prefix(output_dir, index), iter(()) if index in ended else rest)
+                files[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
+                                    fingerprint=fingerprints[index], **written, **counts[index],
+                                    input_bytes=os.path.getsize(inputs[index]))
+                save(finished=False)
+                if not counts[index]["input_documents"]:
+                    tqdm.write(f"{inputs[index]}: warning: no documents (an empty file, or only empty texts), so no "
+                               f"output", file=sys.stderr)
+                tqdm.write(f"{written['output'] or inputs[index]}: {written['documents']:,} documents, "
+                           f"{written['tokens']:,} tokens")
         summary = save(finished=True)
         made = {os.path.basename(entry["output"]) for entry in [val, *files.values()] if entry and entry["output"]}
         for name in sorted(os.listdir(output_dir)):
