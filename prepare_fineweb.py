@@ -231,10 +231,8 @@ def encode_task(task):
             text, invalid = text.decode(errors="replace"), True
         if kind == "jsonl":
             where = f"{path}, line {number}"
-            try:
+            with reraised(where, "not valid JSON", ValueError):
                 record = json.loads(text)
-            except ValueError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from e
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object")
             if text_key not in record:
@@ -297,8 +295,9 @@ def val_documents(stream, val_tokens, ended):
             return
 
 
-def output_fingerprints(inputs, options):
-    """A hash per output of the options and its input; with a val split, of inputs 0 to its own (they set its share)."""
+def kept_outputs(inputs, output_dir, options):
+    """Each output's fingerprint, and (val entry or None, {index: entry}, summary) of an earlier run that still hold."""
+    # a fingerprint hashes the options and the output's input; with a val split inputs 0 to its own (they set its share)
     start = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
     digest, fingerprints = start.copy(), []
     for path in inputs:
@@ -310,35 +309,29 @@ def output_fingerprints(inputs, options):
             ends = hashlib.sha256(head + f.read(1 << 20)).hexdigest()
         digest.update(f"{stat.st_size}:{stat.st_mtime_ns}:{ends}".encode())
         fingerprints.append(digest.hexdigest())
-    return fingerprints
 
+    def finished(prefix, entry):  # whether the dataset at `prefix` is the complete one summary.json's entry describes
+        if entry["output"] is None:  # every document of the input went to val, or it had none
+            return entry["documents"] == 0
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an empty one (older code) is redone too
+            dataset = IndexedDataset(prefix)  # checks the index, and that the .bin holds exactly its tokens
+            return dataset.num_documents == entry["documents"] > 0 and dataset.num_tokens == entry["tokens"]
+        return False
 
-def is_finished(prefix, entry):
-    """Whether the dataset at `prefix` is the complete one that summary.json's `entry` describes."""
-    if entry["output"] is None:  # every document of the input went to val, or it had none
-        return entry["documents"] == 0
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an empty one (older code) is redone too
-        dataset = IndexedDataset(prefix)  # checks the index, and that the .bin holds exactly its tokens
-        return dataset.num_documents == len(dataset) == entry["documents"] > 0 and dataset.num_tokens == entry["tokens"]
-    return False
-
-
-def kept_outputs(output_dir, fingerprints, val_tokens):
-    """(val entry or None, {index: entry}, summary) of an earlier run that still hold; a redone val redoes them all."""
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):  # a damaged summary keeps nothing
         with open(os.path.join(output_dir, "summary.json")) as f:
             earlier = json.load(f)
         files = {entry["index"]: dict(entry, kept=True) for entry in earlier["files"]
-                 if entry["index"] < len(fingerprints) and entry["fingerprint"] == fingerprints[entry["index"]]
-                 and is_finished(output_prefix(output_dir, entry["index"]), entry)}
-        if not val_tokens:
-            return None, files, earlier
+                 if entry["index"] < len(inputs) and entry["fingerprint"] == fingerprints[entry["index"]]
+                 and finished(output_prefix(output_dir, entry["index"]), entry)}
+        if not options["val_tokens"]:
+            return fingerprints, None, files, earlier
         val, last = earlier["val"], earlier["val"]["last_input"]
-        # val is kept only with the outputs of every input it draws from; theirs start at its end
+        # val is kept only with the outputs of every input it draws from, as theirs start at its end
         if (val["fingerprint"] == fingerprints[last] and all(index in files for index in range(last + 1))
-                and is_finished(os.path.join(output_dir, "val_text_document"), val)):
-            return dict(val, kept=True), files, earlier
-    return None, {}, {}
+                and finished(os.path.join(output_dir, "val_text_document"), val)):
+            return fingerprints, dict(val, kept=True), files, earlier
+    return fingerprints, None, {}, {}
 
 
 def write_output(prefix, documents):
@@ -371,8 +364,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
                 os.remove(os.path.join(output_dir, name))
         options = {"format": FORMAT, "tokenizer": "gpt2 (tiktoken encode_ordinary) + EOT 50256", "bpe_sha256": SHA256,
                    "text_key": text_key, "dtype": "uint16", "val_tokens": val_tokens}
-        fingerprints = output_fingerprints(inputs, options)
-        val, files, earlier = kept_outputs(output_dir, fingerprints, val_tokens)
+        fingerprints, val, files, earlier = kept_outputs(inputs, output_dir, options)
         todo = [index for index in range(len(inputs)) if index not in files]
         if not todo and earlier.get("finished") and len(earlier["files"]) == len(inputs):  # no outputs of other inputs
             print(f"{output_dir}: already complete ({earlier['documents']:,} documents, {earlier['tokens']:,} "
