@@ -160,8 +160,33 @@ def open_parquet(path, text_key):
     return parquet
 
 
-def text_tasks(path, text_key, chunk_bytes):
-    """Yield (task, byte position reached) for the tasks of a JSONL or text file, each of whole lines or documents."""
+def read_tasks(path, text_key, chunk_bytes):
+    """Yield (task, byte position reached) for each task of one input: about chunk_bytes of text, in whole documents."""
+    if path.endswith(".parquet"):
+        parquet = open_parquet(path, text_key)
+        metadata, size = parquet.metadata, os.path.getsize(path)
+        leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path == text_key)
+        # a task is row groups for a worker to read, or a batch read here of a group over 16 chunks (too big for one)
+        groups, group_bytes, rows, total_rows = [], 0, 0, max(metadata.num_rows, 1)  # progress: the share of rows read
+        with contextlib.closing(parquet), reraised(path, "unreadable parquet data", pa.ArrowException):
+            for group in range(metadata.num_row_groups):
+                text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
+                big = text_bytes > 16 * chunk_bytes
+                if groups and (big or group_bytes >= chunk_bytes):
+                    yield (path, "row_groups", text_key, 0, groups), size * rows // total_rows
+                    groups, group_bytes = [], 0
+                if big:
+                    batch_rows = max(1, metadata.row_group(group).num_rows * chunk_bytes // text_bytes)
+                    for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
+                        rows += batch.num_rows
+                        yield (path, "texts", text_key, 0, batch.column(0)), size * rows // total_rows
+                else:
+                    groups.append(group)
+                    group_bytes += text_bytes
+                    rows += metadata.row_group(group).num_rows
+        if groups:
+            yield (path, "row_groups", text_key, 0, groups), size
+        return
     kind = "txt" if path.endswith(".txt") else "jsonl"
     with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
         stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
@@ -176,33 +201,6 @@ def text_tasks(path, text_key, chunk_bytes):
                 first_line += block.count(b"\n", 0, end)
             rest = block[end:]
         yield (path, kind, text_key, first_line, rest), raw.tell()
-
-
-def parquet_tasks(path, text_key, chunk_bytes):
-    """Tasks of row groups holding about chunk_bytes of text, for a worker to read, or of batches of a bigger group."""
-    parquet = open_parquet(path, text_key)
-    metadata, size = parquet.metadata, os.path.getsize(path)
-    leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path == text_key)
-    groups, group_bytes, rows, total_rows = [], 0, 0, max(metadata.num_rows, 1)  # progress: the share of rows read
-    with contextlib.closing(parquet), reraised(path, "unreadable parquet data", pa.ArrowException):
-        for group in range(metadata.num_row_groups):
-            group_rows = metadata.row_group(group).num_rows
-            text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
-            big = text_bytes > 16 * chunk_bytes  # a bigger row group is read here in batches, not whole by a worker
-            if groups and (big or group_bytes >= chunk_bytes):
-                yield (path, "row_groups", text_key, 0, groups), size * rows // total_rows
-                groups, group_bytes = [], 0
-            if big:
-                batch_rows = max(1, group_rows * chunk_bytes // text_bytes)
-                for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
-                    rows += batch.num_rows
-                    yield (path, "texts", text_key, 0, batch.column(0)), size * rows // total_rows
-            else:
-                groups.append(group)
-                group_bytes += text_bytes
-                rows += group_rows
-    if groups:
-        yield (path, "row_groups", text_key, 0, groups), size
 
 
 parquet_file = functools.lru_cache(maxsize=1)(functools.partial(pq.ParquetFile, pre_buffer=False))  # kept open
@@ -259,8 +257,7 @@ def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, 
     """Yield (index, tokens) for every document of the inputs numbered `todo` in order, and (index, None) after each."""
     def submit():  # (index, position reached, the task's result or None at the end of the input)
         for index in todo:
-            tasks = parquet_tasks if inputs[index].endswith(".parquet") else text_tasks
-            for task, position in tasks(inputs[index], text_key, chunk_bytes):
+            for task, position in read_tasks(inputs[index], text_key, chunk_bytes):
                 yield index, position, pool.apply_async(encode_task, (task,))
             yield index, os.path.getsize(inputs[index]), None
 
