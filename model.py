@@ -92,26 +92,27 @@ class Block(nn.Module):
 # Rows of logits the loss head holds at once. Each chunk adds its (V x C) gradient into an fp32 grad_weight, ~12*V*C
 # bytes of traffic against 6*R*V*C FLOPs of GEMMs: at an H100's ~200 FLOPs per byte (~700 TFLOP/s bf16, 3.3 TB/s)
 # that adds ~400/R to the head's GEMM time, 5% at 8192 rows (tile-aligned; 824 MB of bf16 logits at V=50304). A CPU
-# does ~50 FLOPs per byte: 1024 rows cost ~5% and keep the fp32 chunk at 206 MB (full B=8 x T=1024 logits: 1.65 GB).
-LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=1024)
+# is slow enough per byte that 512 rows cost little, and keep the fp32 chunk at 103 MB (B=8 x T=1024: 1.65 GB).
+LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=512)
 
 
-def _chunk_loss(x, weight, targets, vocab_size, count, with_grads):
-    """(summed loss, gradient of the logits or None) of one chunk's logits x @ weight.T, in fp32."""
-    logits = (x @ weight.t()).float()
+def _chunk_loss(logits, targets, vocab_size, count, with_grads):
+    """The summed loss of one chunk's logits (rows, padded vocab), in fp32; with_grads writes their gradient over them
+    (softmax - one-hot, over the count of targets), so one chunk-sized buffer serves both."""
+    out, logits = logits, logits.float()
     logits[:, vocab_size:] = float("-inf")  # padded rows of the weight: no softmax mass, loss or gradient
     lse = torch.logsumexp(logits, dim=-1)
     valid = targets != -100  # F.cross_entropy's default ignore_index
     safe = torch.where(valid, targets, 0)[:, None]
     loss = ((lse - logits.gather(1, safe).squeeze(1)) * valid).sum()
-    if not with_grads:
-        return loss, None
-    probs = logits.sub_(lse[:, None]).exp_()  # the softmax in place: one fp32 chunk alive at a time
-    if torch.compiler.is_compiling():  # the one-hot fuses into the one pass that writes the gradient
-        probs = probs - (torch.arange(weight.size(0), device=x.device) == safe).to(probs.dtype)
-    else:  # eager: touch the target entries only
-        probs.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=probs.dtype))
-    return loss, probs.mul_((valid / count)[:, None]).to(x.dtype)
+    if with_grads:
+        probs = logits.sub_(lse[:, None]).exp_()  # in place: in fp32 the very buffer of the logits
+        if torch.compiler.is_compiling():  # the one-hot fuses into the one pass that writes the gradient
+            probs = probs - (torch.arange(logits.size(1), device=logits.device) == safe).to(probs.dtype)
+        else:  # eager: touch the target entries only
+            probs.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=probs.dtype))
+        out.copy_(probs.mul_((valid / count)[:, None]))  # a no-op where probs already is `out`
+    return loss
 
 
 _compiled_chunk_loss = functools.cache(lambda: torch.compile(_chunk_loss))  # on first use: dynamo takes 1 s to import
@@ -133,14 +134,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
         for start in range(0, x.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
-            chunk_loss, grad_logits = body(x[rows], weight, targets[rows], vocab_size, count, with_grads)
-            loss = loss + chunk_loss
+            grad_logits = x[rows] @ weight.t()  # the logits, until the body writes their gradient over them
+            loss = loss + body(grad_logits, targets[rows], vocab_size, count, with_grads)
             if with_grads:
                 grad_x[rows] = grad_logits @ weight
                 if grad_logits.dtype == torch.float32:
                     torch.addmm(grad_weight, grad_logits.t(), x[rows], out=grad_weight)  # no (vocab x C) temporary
                 else:
                     grad_weight.add_(grad_logits.t() @ x[rows])
+            del grad_logits  # before the next chunk's are made: one chunk of logits alive at a time
         if with_grads:
             ctx.save_for_backward(grad_x.to(dtypes[0]), grad_weight.to(dtypes[1]))
         return loss / count
