@@ -97,6 +97,16 @@ def tiny(data, out_dir, **overrides):
     return [f"--{key}={value!r}" if isinstance(value, str) else f"--{key}={value}" for key, value in config.items()]
 
 
+def save_tiny_hf_gpt2(path, vocab_size):
+    """A random 2-layer, 32-wide GPT2LMHeadModel saved by transformers at `path` (seed 0); returns `path`."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
 def torchrun(args, nproc=2):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             os.path.join(ROOT, "train_gpt2.py"), *args]

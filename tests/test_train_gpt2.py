@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import hellaswag
 import train_gpt2
-from conftest import BYTE_EOT, ROOT, checkpoints, metrics, tiny, torchrun, vislog, write_byte_dataset
+from conftest import (BYTE_EOT, ROOT, checkpoints, metrics, save_tiny_hf_gpt2, tiny, torchrun, vislog,
+                      write_byte_dataset)
 from indexed_dataset import IndexedDatasetBuilder
 from model import MARKER, check_checkpoint, complete_checkpoints
 from tokenizer import EOT_ID, gpt2_encoding
@@ -653,12 +654,7 @@ def val_prefix(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("hf"))
-    GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(path)
-    return path
+    return save_tiny_hf_gpt2(str(tmp_path_factory.mktemp("hf")), vocab_size=50257)
 
 
 def llmc_val_loss(hf_dir, prefix, num_windows):

@@ -25,7 +25,8 @@ import torch
 import plot_log
 import sample
 import train_gpt2
-from conftest import ROOT, checkpoints, metrics, process_tree, run, tiny, torchrun, vislog, wait_for_line
+from conftest import (ROOT, checkpoints, metrics, process_tree, run, save_tiny_hf_gpt2, tiny, torchrun, vislog,
+                      wait_for_line)
 from indexed_dataset import sequential_samples
 from model import MARKER, check_checkpoint, complete_checkpoints, load_model, resolve_checkpoint
 
@@ -190,16 +191,22 @@ def test_kill9_then_resume_is_exact_and_resumes_on_another_world_size(data, two_
     assert_same_trajectory(tmp_path / "killed_copy", two_rank_run)
 
 
-def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_process_run, tmp_path):
-    out = tmp_path / "preempted"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *tiny(data, out, ckpt_every_steps=0)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def sigterm_one_process(args, out, pattern):
+    """Run train_gpt2.py in one process, SIGTERM it once `pattern` is in its main.log; (process, stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_line(out / "main.log", r"^s:15 trl", proc)
+        wait_for_line(out / "main.log", pattern, proc)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
+    return proc, stdout, stderr
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_process_run, tmp_path):
+    out = tmp_path / "preempted"
+    proc, stdout, stderr = sigterm_one_process(tiny(data, out, ckpt_every_steps=0), out, r"^s:15 trl")
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]  # interrupted: a scheduler requeues it
     last = max(vislog(out / "main.log")["trl"])
     assert last < 59 and checkpoints(out) == [f"step_{last + 1:08d}"]
@@ -254,11 +261,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data, tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_tiny(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    path = str(tmp_path_factory.mktemp("hf_tiny"))
-    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(path)
-    return path
+    return save_tiny_hf_gpt2(str(tmp_path_factory.mktemp("hf_tiny")), vocab_size=512)
 
 
 def hf_val_loss(hf_dir, data, windows):
@@ -598,14 +601,7 @@ def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
 def test_sigterm_exits_143_after_its_checkpoint_and_a_finished_run_exits_0(data, tmp_path):
     out = tmp_path / "preempted"
     args = tiny(data, out, ckpt_every_steps=0, max_steps=30)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_line(out / "main.log", r"^s:5 trl", proc)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    proc, stdout, stderr = sigterm_one_process(args, out, r"^s:5 trl")
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped by a signal" in stdout and "Traceback" not in stderr
     assert "Warning" not in stderr  # e.g. no FutureWarning from a decorated class
