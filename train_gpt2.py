@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import hellaswag
 from atomic_io import atomic_save, atomic_write, fsync_dir
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, data_fingerprints,
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, data_fingerprints, resolve_blend,
                              sequential_samples, token_weighted_blend)
 from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded,
                    is_run_or_checkpoint, load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state,
@@ -102,7 +102,7 @@ class TrainConfig:
     ckpt_keep: int = 2  # complete checkpoints kept, newest first
     # a resume refuses a change of data_paths, the data itself, split, seed, seq_length or the train split's epochs
     resume_allow_data_change: bool = False  # True: resume anyway (the sample order then changes from here on)
-    wandb_log: bool = False  # also log every metrics.jsonl record and the config to Weights & Biases (pip install wandb)
+    wandb_log: bool = False  # also log every metrics.jsonl record and the config to Weights & Biases (an extra)
     wandb_project: str = "gpt2"
     wandb_run_name: str | None = None  # None: the out_dir's name; a resumed run continues the same wandb run
     # system
@@ -836,8 +836,19 @@ def build_train_data(cfg, log):
     elif len(train_data) < num_samples:
         log(f"{cfg.data_paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes "
             f"are blended by token count, each repeated in whole epochs")
-        train_data, _, _ = build_gpt_datasets(token_weighted_blend(cfg.data_paths), **common)
+        blend = token_weighted_blend(cfg.data_paths)
+        train_data, _, _ = build_gpt_datasets(blend, **common)
+        log_blend(blend, log)
+        return train_data
+    log_blend(cfg.data_paths, log)
     return train_data
+
+
+def log_blend(paths, log):
+    """A weighted blend's shares, said at every start (the dataset cache only says them when it builds the blend)."""
+    prefixes, weights = resolve_blend(paths)
+    if weights is not None:
+        log("train blend: " + ", ".join(f"{prefix} {w / sum(weights):.4f}" for prefix, w in zip(prefixes, weights)))
 
 
 def host_batch(dataset, indices, vocab_size, pin):
@@ -1156,7 +1167,11 @@ def setup(cfg, world_size, device, log):
     log(plan, memory_plan_gib=plan_gib, memory_baseline_gib=peak_memory(device, reset=True)[0])
     model = build_model(model_config, init, cfg, device)
     if init[0] == "checkpoint" and resume_path is None:  # init_from another run: its weights, a fresh optimizer
-        load_weights(init[1], model)
+        try:
+            load_weights(init[1], model)
+        except (ValueError, CheckpointException, RuntimeError) as e:  # damaged although its files look complete
+            raise ValueError(f"init_from {init[1]}: the checkpoint does not load: {str(e).strip().splitlines()[0]}") \
+                from None
     optimizer = build_optimizer(model, cfg, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

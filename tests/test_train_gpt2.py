@@ -810,3 +810,26 @@ def test_hf_export_loads_the_way_lm_eval_harness_loads_it_and_scores_as_our_mode
     loglik = [F.log_softmax(logits[0, len(context) - 1:-1], -1).gather(1, tokens[0, len(context):, None]).sum()
               for logits in (theirs, ours)]
     assert torch.allclose(loglik[0], loglik[1], atol=1e-4), loglik
+
+
+def test_a_blends_weights_are_said_at_every_start(data, tmp_path, capsys):
+    other = str(tmp_path / "other")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(data + suffix, other + suffix)
+    blend = ["1", data, "3", other]
+    for out in ("cold", "warm"):  # the second start finds the blend in the index cache
+        train_gpt2.main(tiny(data, tmp_path / out, data_paths=blend, max_steps=2, val_tokens=0,
+                             index_mapping_dir=str(tmp_path / "cache")))
+        assert f"train blend: {data} 0.2500, {other} 0.7500" in capsys.readouterr().out
+
+
+def test_init_from_a_run_whose_newest_checkpoint_does_not_load_is_one_line(finished, tmp_path):
+    prefix, out = finished
+    source = tmp_path / "source"
+    shutil.copytree(out, source)
+    metadata = source / "ckpt" / "step_00000020" / ".metadata"
+    metadata.write_bytes(bytes(len(metadata.read_bytes())))  # the same size, so only loading finds it out
+    with pytest.raises(ValueError, match=r"init_from .*step_00000020: the checkpoint does not load") as error:
+        train_gpt2.main(tiny(prefix, tmp_path / "out", init_from=str(source), max_steps=2,
+                             index_mapping_dir=str(tmp_path / "cache")))
+    assert "\n" not in str(error.value)
