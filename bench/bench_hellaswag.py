@@ -25,13 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hellaswag  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from tokenizer import gpt2_encoding  # noqa: E402
 
 
 @torch.no_grad()
 def naive_evaluate(model, examples, device, autocast_dtype):
     """build-nanogpt's loop: 4 rows per forward, the loss of every position computed, then masked."""
-    enc = gpt2_encoding()
     block_size = model.config.block_size
     correct_norm = 0
     for example in examples:

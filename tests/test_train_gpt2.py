@@ -300,7 +300,6 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it(data, tmp_path):
 
 
 def test_wandb_gets_every_metric_and_a_resumed_run_continues_the_same_wandb_run(data, tmp_path):
-    pytest.importorskip("wandb")
     out = tmp_path / "out"
     env = dict(WANDB_MODE="offline", WANDB_SILENT="true")
     args = tiny(data, out, max_steps=20, wandb_log=True, wandb_project="tiny")
