@@ -49,8 +49,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import hellaswag
 from atomic_io import atomic_save, atomic_write, fsync_dir
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, data_fingerprints, resolve_blend,
-                             sequential_samples, token_weighted_blend)
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend, sequential_samples,
+                             token_weighted_blend)
 from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded,
                    is_run_or_checkpoint, load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state,
                    resolve_checkpoint, resolve_pretrained, set_aside)
@@ -588,7 +588,7 @@ def load_checkpoint(ckpt_path, model, optimizer):
 DATA_KEYS = ("data_paths", "split", "seed", "seq_length")
 
 
-def resume(resume_path, model, optimizer, cfg, data_state, log):
+def resume(resume_path, model, optimizer, cfg, data, log):
     """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run. A
     change to the tokens the run sees, or to their order, is refused unless resume_allow_data_change."""
     if resume_path is None:
@@ -607,10 +607,10 @@ def resume(resume_path, model, optimizer, cfg, data_state, log):
     if step > cfg.max_steps:
         raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
     changes = [f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}" for key in DATA_KEYS if saved[key] != getattr(cfg, key)]
-    before, now = train_state["data"], data_state["data"]
+    before, now = train_state["data"], data["data"]
     changes += [f"data {prefix} fingerprint {before.get(prefix, 'absent')[:12]} -> {now.get(prefix, 'absent')[:12]}"
                 for prefix in sorted(set(before) | set(now)) if before.get(prefix) != now.get(prefix)]
-    if not changes and train_state["sample_order"] != data_state["sample_order"]:
+    if not changes and train_state["sample_order"] != data["sample_order"]:
         changes.append(f"max_steps {saved['max_steps']} -> {cfg.max_steps} (the train split is then built in other "
                        f"epochs: another sample order)")
     if changes and not cfg.resume_allow_data_change:
@@ -624,14 +624,17 @@ def resume(resume_path, model, optimizer, cfg, data_state, log):
     return step, train_state["consumed_samples"]
 
 
-def sample_order(dataset):
-    """A digest of the train split's sample order (documents, sample boundaries, shuffle, blend)."""
+def data_state(train_data):
+    """What a resume compares, read from the built train split: each file's fingerprint (computed once, when its index
+    cache was looked up) and a digest of the sample order (documents, sample boundaries, shuffle, blend)."""
     digest = hashlib.sha256()
-    for part in [dataset] + list(getattr(dataset, "datasets", [])):
+    for part in [train_data] + list(getattr(train_data, "datasets", [])):
         for name in ("document_index", "sample_index", "shuffle_index", "dataset_index", "dataset_sample_index"):
             if hasattr(part, name):
                 digest.update(np.ascontiguousarray(getattr(part, name)).data)
-    return digest.hexdigest()
+    parts = getattr(train_data, "datasets", [train_data])  # the GPTDatasets, blended or not
+    return dict(data={part.dataset.path_prefix: part.dataset.fingerprint for part in parts},
+                sample_order=digest.hexdigest())
 
 
 def already_complete(cfg, resume_path):
@@ -1176,9 +1179,8 @@ def setup(cfg, world_size, device, log):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    data_state = {} if train_data is None else dict(data=on_rank0(lambda: data_fingerprints(cfg.data_paths)),
-                                                    sample_order=sample_order(train_data))
-    step, consumed_samples = resume(resume_path, model, optimizer, cfg, data_state, log)
+    data = {} if train_data is None else data_state(train_data)
+    step, consumed_samples = resume(resume_path, model, optimizer, cfg, data, log)
     on_rank0(lambda: write_run_config(cfg))
     log.start_wandb(cfg, resumed=resume_path is not None)
     # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
@@ -1190,7 +1192,7 @@ def setup(cfg, world_size, device, log):
         f"{flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
         + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
     step_log = StepLog(cfg, log, device, flops_per_token, ckpt_root)
-    return model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data_state
+    return model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data
 
 
 def train(cfg, rank, world_size, device):
@@ -1199,7 +1201,7 @@ def train(cfg, rank, world_size, device):
         state = setup(cfg, world_size, device, log)
         if state is None:
             return 0
-        model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data_state = state
+        model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data = state
         if cfg.eval_only:
             evaluate(model, step, stop)
             return 0
@@ -1213,7 +1215,7 @@ def train(cfg, rank, world_size, device):
             t0 = time.perf_counter()
             train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
                                model_config=dataclasses.asdict(model.config), config=dataclasses.asdict(cfg),
-                               **data_state)
+                               **data)
             path = save_checkpoint(ckpt_root, model, optimizer, train_state, cfg.ckpt_keep)
             log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
             if stopping:  # exit 128 + signum (143 for SIGTERM), also on ranks that only heard of it
