@@ -48,7 +48,6 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
     )
 
 
-
 # what transformers saves for the hub's gpt2 tokenizer, defaults spelled out so that no reader has to assume them;
 # no clean-up of spaces before punctuation: decode gives back what tiktoken decodes
 HF_TOKENIZER_CONFIG = {
