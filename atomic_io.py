@@ -1,8 +1,5 @@
-"""
-Write a file so that it is either absent or complete under its final name: write a temporary beside it, fsync it,
-rename it over the final name, then fsync the directory so the rename survives a power loss. A crash leaves the old
-file (or none) and at most a hidden temporary, never a truncated file that looks finished.
-"""
+"""Publish a file absent or complete: write a temporary beside it, fsync it, rename it over the final name, fsync the
+directory. A crash leaves the old file (or none) and at most a hidden temporary, never a truncated file."""
 import contextlib
 import os
 
@@ -37,15 +34,14 @@ def _publishing(path):
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # per process: ranks or workers never share it
     try:
-        try:
-            yield tmp
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except WriteError:
-            raise
-        except OSError as e:
-            raise _write_error(path, e) from e
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except WriteError:  # a nested publish (prepare_fineweb's .idx inside its .bin) names its own file
+        raise
+    except OSError as e:
+        raise _write_error(path, e) from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -64,7 +60,7 @@ def atomic_save(path, save):
     with _publishing(path) as tmp:
         try:
             save(tmp)
-        except (RuntimeError, SafetensorError) as e:  # torch's zip writer ("unexpected pos") and safetensors on a full disk
+        except (RuntimeError, SafetensorError) as e:  # a full disk: torch's zip writer ("unexpected pos"), safetensors
             raise _write_error(path, e) from e
         mask = os.umask(0)
         os.umask(mask)

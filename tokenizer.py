@@ -1,13 +1,10 @@
-"""GPT-2 BPE through tiktoken, built from the BPE files shipped in data/gpt2_bpe/.
-
-tiktoken.get_encoding("gpt2") downloads these two files on first use; cluster compute nodes often have no internet,
-so we build the identical encoding from the copies in this repository (checked against the same sha256 sums tiktoken
-uses). `encode_ordinary` treats "<|endoftext|>" in text as ordinary text; EOT is id 50256. write_hf_tokenizer puts the
-same tokenizer beside exported weights in the files Hugging Face readers load.
-"""
+"""GPT-2 BPE through tiktoken, built offline from the copies in data/gpt2_bpe/ of the files tiktoken downloads (compute
+nodes often have no internet), checked against the same sha256 sums. EOT is id 50256; encode_ordinary treats
+"<|endoftext|>" in text as ordinary text. write_hf_tokenizer writes it as the files Hugging Face readers load."""
 import hashlib
 import json
 import os
+import pathlib
 from functools import lru_cache
 
 from atomic_io import atomic_write
@@ -33,19 +30,13 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
         path = os.path.join(bpe_dir, name)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: GPT-2 BPE file missing (it ships in data/gpt2_bpe/ of this repository)")
-        with open(path, "rb") as f:
-            actual = hashlib.sha256(f.read()).hexdigest()
+        actual = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
         if actual != expected:
             raise ValueError(f"{path}: sha256 {actual} is not the GPT-2 BPE file's {expected}; the file is corrupt")
     ranks = data_gym_to_mergeable_bpe_ranks(
         vocab_bpe_file=os.path.join(bpe_dir, "vocab.bpe"), encoder_json_file=os.path.join(bpe_dir, "encoder.json"))
-    return tiktoken.Encoding(
-        name="gpt2",
-        pat_str=r50k_pat_str,
-        mergeable_ranks=ranks,
-        special_tokens={EOT: EOT_ID},
-        explicit_n_vocab=VOCAB_SIZE,
-    )
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: EOT_ID},
+                             explicit_n_vocab=VOCAB_SIZE)
 
 
 # what transformers saves for the hub's gpt2 tokenizer, defaults spelled out so that no reader has to assume them;
@@ -63,14 +54,10 @@ def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
     """GPT-2's tokenizer in `directory` as the hub's gpt2 has it: vocab.json and merges.txt (the shipped files),
     tokenizer.json (the one file tokenizers-only readers load), tokenizer_config.json and special_tokens_map.json."""
     gpt2_encoding(bpe_dir)  # checks both files' sha256
-    with open(os.path.join(bpe_dir, "encoder.json"), "rb") as f:
-        vocab = f.read()
-    with open(os.path.join(bpe_dir, "vocab.bpe"), "rb") as f:
-        merges = f.read()
+    vocab, merges = (pathlib.Path(bpe_dir, name).read_bytes() for name in ("encoder.json", "vocab.bpe"))
     fast = {  # the same BPE as transformers' GPT2Converter builds it, in the tokenizers library's format
-        "version": "1.0", "truncation": None, "padding": None,
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
         "added_tokens": [{"id": EOT_ID, **HF_TOKENIZER_CONFIG["added_tokens_decoder"][str(EOT_ID)]}],
-        "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True},
         "post_processor": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False},
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True},
@@ -78,7 +65,7 @@ def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
                   "end_of_word_suffix": "", "fuse_unk": False, "vocab": json.loads(vocab),
                   "merges": merges.decode("utf-8").split("\n")[1:-1]},  # after the "#version" line
     }
-    special = {key: EOT for key in ("bos_token", "eos_token", "unk_token")}
+    special = dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
     os.makedirs(directory, exist_ok=True)
     for name, content in (("vocab.json", vocab), ("merges.txt", merges),
                           ("tokenizer.json", json.dumps(fast, ensure_ascii=False).encode("utf-8")),
