@@ -86,16 +86,9 @@ def render_all(examples):
             for ex in examples]  # each ending gets the space it has after the context
 
 
-def forward_logits(model, tokens, autocast_dtype):
-    """The logits of model(tokens) (a GPT returns logits and loss), under autocast when a dtype is given."""
-    with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        return model(tokens)[0]
-
-
 @torch.no_grad()
 def ending_losses(model, rendered, *, device, autocast_dtype=None):
-    """Sum and mean cross-entropy of each ending of each Rendered example, float32 (N, 4) on `device`, in one forward of
-    4 right-padded rows per example; only the logits that predict ending tokens are log-softmaxed, in float32."""
+    """Sum and mean float32 cross-entropy (N, 4) of the endings, one forward of 4 right-padded rows per example."""
     rows, row_of, position = [], [], []
     for example in rendered:
         for ending in example.endings:
@@ -107,7 +100,8 @@ def ending_losses(model, rendered, *, device, autocast_dtype=None):
             rows.append(row)
     tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], batch_first=True).to(device)
     row_of, position = (torch.tensor(v, dtype=torch.long, device=device) for v in (row_of, position))
-    logits = forward_logits(model, tokens, autocast_dtype)
+    with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits = model(tokens)[0]  # a GPT returns logits and loss
     token_losses = F.cross_entropy(logits[row_of, position].float(), tokens[row_of, position + 1], reduction="none")
     sums = torch.zeros(len(rows), device=tokens.device).index_add_(0, row_of, token_losses)
     return sums.view(-1, 4), (sums / torch.bincount(row_of, minlength=len(rows)).clamp(min=1)).view(-1, 4)
@@ -116,13 +110,11 @@ def ending_losses(model, rendered, *, device, autocast_dtype=None):
 @torch.no_grad()
 def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=None, limit=None, batch_size=4,
              progress=False, stopped=None):
-    """HellaSwag accuracy on render_all()'s list or load_examples()'s dicts (the first `limit`), acc by the lowest sum:
-    rank r scores examples i % world_size == r, `batch_size` per forward; every rank returns the all_reduced dict.
-    None when `stopped()` (a collective the training loop passes, asked between batches) says to stop."""
+    """Accuracy on the first `limit` of render_all()'s or load_examples()'s list; rank r scores examples i % world_size
+    == r, every rank returns the all_reduced dict, or None once `stopped()` (a collective, asked per batch) says so."""
     if model.config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"HellaSwag needs the GPT-2 vocabulary ({VOCAB_SIZE} tokens), not {model.config.vocab_size}")
-    examples = examples[:limit]
-    rendered = examples if isinstance(examples[0], Rendered) else render_all(examples)
+    rendered = examples[:limit] if isinstance(examples[0], Rendered) else render_all(examples[:limit])
     # similar lengths in one batch waste less compute on padding; the order does not change the counts
     mine = sorted(rendered[rank::world_size], key=lambda ex: len(ex.context) + max(len(e) for e in ex.endings))
     num_batches = math.ceil(math.ceil(len(rendered) / world_size) / batch_size)  # the same on every rank
@@ -159,9 +151,8 @@ def main(argv=None):
     try:
         examples = load_examples(args.data)
         model = load_model(args.model).to(args.device)
-        autocast_dtype = None if args.dtype == "float32" else getattr(torch, args.dtype)
-        result = evaluate(model, examples, device=args.device, autocast_dtype=autocast_dtype, limit=args.limit,
-                          batch_size=args.batch_size, progress=True)
+        result = evaluate(model, examples, device=args.device, limit=args.limit, batch_size=args.batch_size,
+                          autocast_dtype=None if args.dtype == "float32" else getattr(torch, args.dtype), progress=True)
     except (ValueError, OSError) as e:
         sys.exit(f"hellaswag.py: error: {e}")
     print(f"hellaswag {args.model}: acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['total']}), "

@@ -57,9 +57,8 @@ def main(argv=None):
     try:
         model = load_model(args.model).to(args.device)
         texts = sample_texts(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
-                             device=args.device)
-    except (FileNotFoundError, ValueError, OSError) as e:
+                             temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, device=args.device)
+    except (ValueError, OSError) as e:
         sys.exit(f"sample.py: error: {e}")
     for i, text in enumerate(texts):
         print(f"--- sample {i + 1}/{len(texts)} ---\n{text}")

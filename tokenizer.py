@@ -51,8 +51,7 @@ HF_TOKENIZER_CONFIG = {
 
 
 def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
-    """GPT-2's tokenizer in `directory` as the hub's gpt2 has it: vocab.json and merges.txt (the shipped files),
-    tokenizer.json (the one file tokenizers-only readers load), tokenizer_config.json and special_tokens_map.json."""
+    """GPT-2's tokenizer files in `directory` as the hub's gpt2 has them, tokenizer.json included (fast readers)."""
     gpt2_encoding(bpe_dir)  # checks both files' sha256
     vocab, merges = (pathlib.Path(bpe_dir, name).read_bytes() for name in ("encoder.json", "vocab.bpe"))
     fast = {  # the same BPE as transformers' GPT2Converter builds it, in the tokenizers library's format

@@ -43,7 +43,8 @@ def naive_evaluate(model, examples, device, autocast_dtype):
             tokens[i, :len(row)] = torch.tensor(row)
             mask[i, :len(row_mask)] = torch.tensor(row_mask)
         tokens, mask = tokens.to(device), mask.to(device)
-        logits = hellaswag.forward_logits(model, tokens, autocast_dtype)
+        with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(tokens)[0]
         shift_logits = logits[:, :-1, :].contiguous().float()
         shift_tokens = tokens[:, 1:].contiguous()
         shift_losses = F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_tokens.view(-1),

@@ -100,7 +100,7 @@ def test_batched_equals_one_ending_per_forward(hf_dir, source):
     model.eval()
     examples = hellaswag.load_examples(FIXTURE)
     rendered = hellaswag.render_all(examples)
-    ref_sums, ref_means = zip(*(reference_scores(lambda t: hellaswag.forward_logits(model, t, None)[0], ex,
+    ref_sums, ref_means = zip(*(reference_scores(lambda t: model(t)[0][0], ex,
                                                   model.config.block_size) for ex in examples))
     sums, means = hellaswag.ending_losses(model, rendered, device="cpu")  # all 11 examples, 44 rows, one forward
     assert sums.dtype == means.dtype == torch.float32
