@@ -1,11 +1,10 @@
 """Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the same samples in
 the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and BlendedDataset (tests/ compare them).
 
-The .idx file (little-endian, packed):
-    magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count S u64 | document count D u64
-    | sequence lengths i32[S] | byte offset of each sequence in .bin i64[S] | document boundaries i64[D]
-and the .bin file is the tokens themselves (D counts a leading 0). GPTDataset follows megatron-core's gpt_dataset.py.
-`python indexed_dataset.py info|verify PREFIX_OR_GLOB` prints the counts of each prefix or reads every token.
+The .idx file (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count
+S u64 | document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] |
+document boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` prints
+each prefix's counts or reads every token.
 """
 import argparse
 import functools
@@ -65,13 +64,12 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else ""
                 raise FileNotFoundError(f"{path}: no such file{hint}")
-        idx_size = os.path.getsize(idx_path)
-        self.sizes = {".bin": os.path.getsize(bin_path), ".idx": idx_size}  # when opened: see changed()
+        self.sizes = {suffix: os.path.getsize(self.path_prefix + suffix) for suffix in (".bin", ".idx")}  # changed()
+        bin_size, idx_size = self.sizes.values()
         with open(idx_path, "rb") as f:
             header = f.read(HEADER.size)
         if not (header.startswith(INDEX_MAGIC) or INDEX_MAGIC.startswith(header)):  # a cut-off magic is truncation
-            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index: it starts with {header[:9]!r}, "
-                             f"not {INDEX_MAGIC!r}")
+            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index (it starts with {header[:9]!r})")
         if len(header) < HEADER.size:
             raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
         _, version, code, count, num_boundaries = HEADER.unpack(header)
@@ -84,11 +82,9 @@ class IndexedDataset:
         expected = HEADER.size + 12 * count + 8 * num_boundaries
         counts = f"{count} sequences and {num_boundaries - 1} documents"
         if idx_size < expected:
-            raise ValueError(f"{idx_path}: truncated: its header announces {counts}, which take {expected} bytes, but "
-                             f"the file has {idx_size}")
+            raise ValueError(f"{idx_path}: truncated: its header announces {counts}: {expected} bytes, not {idx_size}")
         if idx_size not in (expected, expected + count):  # + S: the per-sequence modes of multimodal data
-            raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries; the header's "
-                             f"counts ({counts}) do not fit the file")
+            raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries ({counts})")
         self.dtype = np.dtype(DTYPES[code])
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
@@ -101,14 +97,14 @@ class IndexedDataset:
             self.check()
         # the .bin holds exactly every sequence: it ends where the last one does (check() vouches for its pointer)
         expected = count and int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-        if self.sizes[".bin"] % self.dtype.itemsize:
-            raise ValueError(f"{bin_path}: {self.sizes['.bin']} bytes is not a whole number of {self.dtype} tokens")
-        if self.sizes[".bin"] != expected:
-            relation, cause = ("shorter", "a truncated") if self.sizes[".bin"] < expected else ("longer", "a damaged")
-            raise ValueError(f"{bin_path}: {self.sizes['.bin']} bytes, {relation} than the {expected} bytes its index "
-                             f"{idx_path} says ({cause} .bin, or an index of another file)")
+        if bin_size % self.dtype.itemsize:
+            raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {self.dtype} tokens")
+        if bin_size != expected:
+            relation = "shorter" if bin_size < expected else "longer"
+            raise ValueError(f"{bin_path}: {bin_size} bytes, {relation} than the {expected} bytes its index "
+                             f"{idx_path} says")
         # every token of the .bin in file order; numpy cannot map an empty file, which has no tokens to map anyway
-        self.tokens = np.memmap(bin_path, self.dtype, "r") if self.sizes[".bin"] else np.empty(0, self.dtype)
+        self.tokens = np.memmap(bin_path, self.dtype, "r") if bin_size else np.empty(0, self.dtype)
 
     def __len__(self):
         return len(self.sequence_lengths)
@@ -149,8 +145,7 @@ class IndexedDataset:
         return ValueError(f"{self.path_prefix}: changed on disk since it was opened ({why})")
 
     def check(self):
-        """Raise ValueError naming the file unless boundaries never decrease, lengths are >= 0 and each pointer is the
-        sum of the lengths before it."""
+        """Raise ValueError naming the .idx unless boundaries never fall and each pointer sums the lengths before it."""
         idx_path = self.path_prefix + ".idx"
         if (np.diff(self.document_indices) < 0).any():
             raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
@@ -180,8 +175,7 @@ class IndexedDatasetBuilder:
         self.sequence_lengths, self.document_indices = array("q"), array("q", [0])
 
     def add_document(self, tokens, lengths=None):
-        """Append one document of 1-D `tokens` made of sequences of `lengths` tokens (default: one sequence, none
-        for an empty document, as Megatron's preprocess_data.py does)."""
+        """Append 1-D `tokens` as a document of sequences of `lengths` (default: one, none if empty, as Megatron)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"{self.bin_path}: a document must be a 1-D token array, got shape {tokens.shape}")
@@ -195,8 +189,7 @@ class IndexedDatasetBuilder:
                 raise ValueError(f"{self.bin_path}: token {bad[0]} does not fit this dataset's dtype {self.dtype}")
         lengths = ([tokens.size] if tokens.size else []) if lengths is None else [int(n) for n in lengths]
         if any(n < 0 for n in lengths) or sum(lengths) != tokens.size:
-            raise ValueError(f"{self.bin_path}: sequence lengths {lengths} do not add up to the document's "
-                             f"{tokens.size} tokens")
+            raise ValueError(f"{self.bin_path}: sequence lengths {lengths} do not add up to the {tokens.size} tokens")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self.sequence_lengths.extend(lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -220,10 +213,8 @@ class IndexedDatasetBuilder:
 
 
 def resolve_blend(paths):
-    """(prefixes, weights or None) for a prefix, a glob, or a Megatron blend list like ["30", p0, "70", p1].
-
-    A glob gives the sorted prefixes of the .bin/.idx files it matches ("processed_data_*_text_document*", as NeMo
-    AutoModel reads it) or of the prefixes it matches. A list without numbers lists prefixes."""
+    """(prefixes, weights or None) for a prefix, a list of them, a Megatron blend list like ["30", p0, "70", p1] or a
+    glob, which gives the sorted prefixes of the .bin/.idx files or the prefixes it matches (as NeMo AutoModel)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = str(paths)
         if not glob.has_magic(paths):
@@ -256,11 +247,6 @@ def resolve_blend(paths):
     return entries[1::2], weights
 
 
-def data_fingerprints(paths):
-    """{prefix: IndexedDataset.fingerprint} of the datasets `paths` (a prefix, glob or blend list) names."""
-    return {prefix: IndexedDataset(prefix, check=False).fingerprint for prefix in resolve_blend(paths)[0]}
-
-
 def normalize(weights):
     """Weights divided by their sum in float64, as megatron normalizes (bit for bit)."""
     w = np.array(weights, dtype=np.float64)
@@ -286,8 +272,8 @@ def split_range(num_sequences, bookends):
 
 
 def token_weighted_blend(paths):
-    """The blend list [str(tokens of p0), p0, ...] of the prefixes `paths` names: megatron-core blends an unweighted
-    list one epoch of each at most, while this mixture of one epoch can be asked for any number of samples."""
+    """The blend list [str(tokens of p0), p0, ...] of `paths`: unlike an unweighted list (one epoch of each at most in
+    megatron-core), it gives any number of samples."""
     prefixes, weights = resolve_blend(paths)
     if weights is not None:
         raise ValueError(f"{paths}: already weighted; token_weighted_blend weights a list of prefixes")
@@ -309,46 +295,29 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     samples_per_epoch = (tokens_per_epoch - extra) // seq_length
     separate_final_epoch = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
-
-    rng = np.random.RandomState(seed)  # drawn in this order: document shuffle(s), then sample shuffle(s)
-
-    def shuffled(values):
-        rng.shuffle(values)
-        return values
-
-    sequences = np.arange(begin, end, dtype=np.int32)
-    if separate_final_epoch:
-        document_index = np.concatenate([shuffled(np.tile(sequences, num_epochs - 1)), shuffled(sequences.copy())])
-    else:
-        document_index = shuffled(np.tile(sequences, num_epochs))
-
     total_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
-    int32_fits = max(len(document_index), int(sequence_lengths.max())) <= np.iinfo(np.int32).max
-    range_lengths = np.array(sequence_lengths[begin:end], dtype=np.int32)  # an aligned copy gathers faster
-    sample_index = _sample_index(range_lengths[document_index - begin], seq_length, total_samples, extra,
-                                 np.int32 if int32_fits else np.int64)
 
-    samples = np.arange(total_samples, dtype=np.uint32 if total_samples < np.iinfo(np.uint32).max - 1 else np.int64)
-    if separate_final_epoch:
-        shuffle_index = np.concatenate([shuffled(samples[:samples_before_final_epoch]),
-                                        shuffled(samples[samples_before_final_epoch:])])
-    else:
-        shuffle_index = shuffled(samples)
-    return document_index, sample_index, shuffle_index
+    # drawn in this order: the document shuffle(s), then the sample shuffle(s); a separate final epoch is shuffled
+    # apart from the epochs before it (shuffling nothing draws nothing)
+    rng = np.random.RandomState(seed)
+    document_index = np.tile(np.arange(begin, end, dtype=np.int32), num_epochs)
+    cut = (num_epochs - separate_final_epoch) * (end - begin)
+    rng.shuffle(document_index[:cut])
+    rng.shuffle(document_index[cut:])
 
-
-def _sample_index(sizes, seq_length, num_samples, extra, dtype):
-    """Rows (position in the document index, token offset in that sequence) where each sample starts, computed at once
-    instead of by Megatron's C++ walk: row k lies in the last sequence starting at or before token k * seq_length +
-    extra - 1 (empty ones are stepped over), i.e. the count of sequences whose first row is <= k, minus one."""
+    # sample_index: the (position in the document index, token offset in that sequence) where each sample starts, at
+    # once instead of Megatron's C++ walk: row k lies in the last sequence starting at or before token k * seq_length +
+    # extra - 1 (empty ones are stepped over), i.e. the count of sequences whose first row is <= k, minus one
+    sizes = np.array(sequence_lengths[begin:end], dtype=np.int32)[document_index - begin]  # aligned: gathers faster
     starts = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1], dtype=np.int64, out=starts[1:])
     first_rows = starts + (seq_length - extra)
     first_rows //= seq_length
-    sample_index = np.zeros((num_samples + 1, 2), dtype=dtype)
+    int32_fits = max(len(document_index), int(sequence_lengths.max())) <= np.iinfo(np.int32).max
+    sample_index = np.zeros((total_samples + 1, 2), dtype=np.int32 if int32_fits else np.int64)
     block = 1 << 18  # rows at a time: bounds the temporaries
-    for first in range(1, num_samples + 1, block):
-        last = min(first + block, num_samples + 1)
+    for first in range(1, total_samples + 1, block):
+        last = min(first + block, total_samples + 1)
         begun_before, begun_by_last = np.searchsorted(first_rows, [first, last])
         sequence = np.cumsum(np.bincount(first_rows[begun_before:begun_by_last] - first, minlength=last - first))
         sequence += begun_before - 1
@@ -356,15 +325,19 @@ def _sample_index(sizes, seq_length, num_samples, extra, dtype):
         offsets -= starts[sequence]
         sample_index[first:last, 0] = sequence
         sample_index[first:last, 1] = offsets
-    return sample_index
+
+    shuffle_index = np.arange(total_samples, dtype=np.uint32 if total_samples < 2**32 - 2 else np.int64)
+    cut = samples_before_final_epoch if separate_final_epoch else total_samples
+    rng.shuffle(shuffle_index[:cut])
+    rng.shuffle(shuffle_index[cut:])
+    return document_index, sample_index, shuffle_index
 
 
 def blending_indices(weights, size=None):
-    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64). With `size`, step s draws the
-    dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, float64 as megatron's C++); without, `weights`
-    are integer counts, drawn exactly (a dataset drops out once used up). The greedy is sequential, so chunks of it run
-    side by side, one numpy operation per step of all; each starts from a guess (weights * step by largest remainder,
-    then WARM_UP greedy steps) and is rerun from where the chunk before it really ended until none differs: exact."""
+    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with `size`, step s draws the
+    dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, in float64); without, `weights` are counts,
+    drawn exactly. Chunks of the sequential greedy run side by side, each from a guess (largest remainder, then
+    WARM_UP steps), rerun from where the chunk before really ended until none differs: exact."""
     if size is None:
         quotas = np.asarray(weights, dtype=np.int64)
         size, weights = int(quotas.sum()), quotas / float(quotas.sum())

@@ -17,7 +17,7 @@ import pytest
 import indexed_dataset
 from conftest import ROOT, corrupt, deny_writes, random_documents, write_ours
 from indexed_dataset import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder, LLMCValWindows,
-                             PretrainingSampler, blending_indices, build_gpt_datasets, data_fingerprints, gpt_indices,
+                             PretrainingSampler, blending_indices, build_gpt_datasets, gpt_indices,
                              resolve_blend, sequential_samples, split_matrix, split_range, token_weighted_blend)
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
@@ -812,6 +812,12 @@ def test_data_overwritten_in_place_is_named(tmp_path):
                                          rf"has \d+ tokens, not 17; its \.bin had"):
         for k in range(len(windows)):
             windows[k]
+
+
+def data_fingerprints(paths):
+    """{prefix: fingerprint} of the train split's files, as a resume reads them."""
+    train = build_gpt_datasets(paths, seq_length=16, split="1", sizes=(10, None, None))[0]
+    return {part.dataset.path_prefix: part.dataset.fingerprint for part in getattr(train, "datasets", [train])}
 
 
 def test_data_fingerprints_change_with_the_data_only(tmp_path):
