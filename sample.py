@@ -21,11 +21,10 @@ def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperatur
         raise ValueError(f"the model's vocabulary has {model.config.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}")
     enc = gpt2_encoding()
     start = enc.encode_ordinary(prompt) or [EOT_ID]  # an empty prompt starts a document, as in the training data
-    device = torch.device(device)
     idx = torch.tensor([start] * num_samples, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[idx.device] if idx.device.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
     model.train(was_training)
