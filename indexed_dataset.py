@@ -225,19 +225,17 @@ def resolve_blend(paths):
             raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files"
                                     + (f" (it matches {len(matches)} other paths)" if matches else ""))
         return prefixes, None
-    entries = [str(p).strip() for p in paths]
+    entries, numbers = [str(p).strip() for p in paths], []
     if not entries:
         raise ValueError("the blend list is empty")
-
-    def number(text):
+    for entry in entries:
         try:
-            return float(text)
+            numbers.append(float(entry))
         except ValueError:
-            return None
-
-    if all(number(entry) is None for entry in entries):
+            numbers.append(None)
+    if numbers.count(None) == len(numbers):
         return entries, None
-    weights = [number(entry) for entry in entries[0::2]]
+    weights = numbers[0::2]
     if len(entries) % 2 or None in weights:
         why = (f"{len(entries)} entries" if len(entries) % 2 else
                f"weight {entries[2 * weights.index(None)]!r} is not a number")
@@ -412,8 +410,7 @@ def cached(cache_dir, name, key, build, write):
                 description = json.load(f)
             if description["key"] != key:
                 raise ValueError("its key differs")
-            return {array_name: np.load(f"{base}-{array_name}.npy", mmap_mode="r")
-                    for array_name in description["arrays"]}
+            return {array: np.load(f"{base}-{array}.npy", mmap_mode="r") for array in description["arrays"]}
         except Exception as error:  # whatever is wrong with it, a rebuild is the cure
             log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
     arrays = build()
@@ -422,8 +419,8 @@ def cached(cache_dir, name, key, build, write):
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
             raise WriteError(error.errno, error.strerror, cache_dir) from None
-        for array_name, values in arrays.items():
-            with atomic_write(f"{base}-{array_name}.npy") as f:
+        for array, values in arrays.items():
+            with atomic_write(f"{base}-{array}.npy") as f:
                 np.save(f, values)
         with atomic_write(base + ".json", "w") as f:
             json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
@@ -496,9 +493,7 @@ class GPTDataset:
         text = text.astype(np.int64)
         if self.extra:
             return {"tokens": text[:-1], "labels": text[1:]}
-        labels = np.empty_like(text)
-        labels[:-1], labels[-1] = text[1:], -100
-        return {"tokens": text, "labels": labels}
+        return {"tokens": text, "labels": np.append(text[1:], -100)}
 
     def describe(self, i):
         """Where sample i comes from, e.g. "data/a_text_document: documents 12, 7 (sample 77)"."""
@@ -546,9 +541,9 @@ class BlendedDataset:
 def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
                        fallback_cache_dir=None):
     """(train, valid, test) as megatron-core's BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...).build() makes
-    them from `paths` (resolve_blend), each None when that split has no samples. sizes: samples per split (None: one
-    epoch), built in whole epochs, so usually more; a weighted blend needs one for each split with a non-zero ratio.
-    The indices are cached (cache_dirs); under torch.distributed rank 0 builds and writes them, then the others load."""
+    them from `paths` (resolve_blend), None for a split without samples. sizes: samples per split (None: one epoch),
+    in whole epochs; a weighted blend needs one for each split it builds. The indices are cached (cache_dirs); under
+    torch.distributed rank 0 builds and writes them, then the others load them."""
     if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
@@ -563,75 +558,69 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         missing = [SPLITS[i] for i in range(3) if matrix[i] is not None and sizes[i] is None]
         if missing:
             raise ValueError(f"a weighted blend needs a size for every split it builds; {missing} have None")
-        sizes = [0 if s is None else s for s in sizes]
+        weights = normalize(weights)
     dirs, blend_dir = cache_dirs(prefixes, cache_dir, fallback_cache_dir, len(prefixes) > 1 or weights is not None)
+    rank, world_size = distributed()
 
-    def build(write_cache):
+    def gpt_split(d, i, num_samples):
+        """The GPTDataset of split i of datasets[d], or None when it yields no samples."""
+        dataset = datasets[d]
+        begin, end = split_range(len(dataset), matrix[i])
+        if not dataset.sequence_lengths[begin:end].any():
+            if num_samples:  # megatron-core loops forever here
+                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split!r} of {len(dataset)} "
+                                 f"sequences: [{begin}, {end})) has no tokens, but {num_samples} samples were asked")
+            return None
+        ds = GPTDataset(dataset, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
+                        split=SPLITS[i], cache_dir=dirs[d], write_cache=rank == 0)
+        return ds if len(ds) else None
+
+    def split_dataset(i):
+        """Split i as megatron-core builds it, or None when it is absent or has no samples."""
+        if matrix[i] is None:
+            return None
+        if weights is None and len(prefixes) == 1:
+            return gpt_split(0, i, sizes[i])
+        if weights is not None:  # samples per dataset: blended (target), and built with megatron's 0.5% surplus
+            targets = [math.ceil(sizes[i] * w) for w in weights]
+            parts = [gpt_split(d, i, math.ceil(target * (1 + 0.005))) for d, target in enumerate(targets)]
+            blend_weights, blend_size = weights, sum(targets)
+        else:  # one epoch of each, in proportion to their samples
+            parts = [gpt_split(d, i, None) for d in range(len(datasets))]
+            blend_weights = [0 if part is None else len(part) for part in parts]
+            blend_size = None if sizes[i] is None else min(sizes[i], sum(blend_weights))
+            if sizes[i] is not None and blend_size < sizes[i]:
+                log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, fewer than "
+                    f"the {sizes[i]} asked (token_weighted_blend gives a blend that can be repeated)")
+        if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
+            return None
+        for dataset, part in zip(datasets, parts):
+            if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
+                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split!r}) has no samples of "
+                                 f"{seq_length} tokens, so it cannot take part in the blend")
+        return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
+                              write_cache=rank == 0)
+
+    def build():
         for dataset, directory in zip(datasets, dirs):  # the index check, remembered for these very files
             key = {"format": CACHE_FORMAT, "class": "IndexCheck", "source": dataset.fingerprint}
-            cached(directory, "IndexedDataset-checked", key, lambda: dataset.check() or {}, write_cache)
-        options = dict(seq_length=seq_length, seed=seed, write_cache=write_cache, split_string=split)
-        if weights is None and len(prefixes) == 1:
-            return tuple(_gpt_split(datasets[0], matrix, i, sizes[i], cache_dir=dirs[0], **options) for i in range(3))
-        return tuple(_blend_split(datasets, weights, matrix, i, sizes[i], dirs, blend_dir, **options) for i in range(3))
+            cached(directory, "IndexedDataset-checked", key, lambda: dataset.check() or {}, rank == 0)
+        return tuple(split_dataset(i) for i in range(3))
 
-    rank, world_size = distributed()
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
-        return build(write_cache=True)
+        return build()
     import torch.distributed as dist  # a process group exists, so torch is already imported
 
     failure = [None]  # rank 0 builds and writes first, then tells the others whether it failed: none waits forever
     if rank == 0:
         try:
-            result = build(write_cache=True)
+            result = build()
         except Exception as error:
             failure, raised = [f"{type(error).__name__}: {error}"], error
     dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         raise raised if rank == 0 else RuntimeError(f"rank 0 could not build the datasets: {failure[0]}")
-    return result if rank == 0 else build(write_cache=False)
-
-
-def _blend_split(datasets, weights, matrix, i, size, dirs, blend_dir, *, split_string, **options):
-    """Split i of a blend as megatron-core builds it, or None when the split is absent or has no samples."""
-    if matrix[i] is None:
-        return None
-    if weights is not None:  # samples per dataset: blended (target), and built with megatron's 0.5% surplus
-        weights = normalize(weights)
-        targets = [math.ceil(size * w) for w in weights]
-        parts = [_gpt_split(ds, matrix, i, math.ceil(target * (1 + 0.005)), split_string, cache_dir=d, **options)
-                 for ds, target, d in zip(datasets, targets, dirs)]
-        blend_weights, blend_size = weights, sum(targets)
-    else:  # one epoch of each, in proportion to their samples
-        parts = [_gpt_split(ds, matrix, i, None, split_string, cache_dir=d, **options)
-                 for ds, d in zip(datasets, dirs)]
-        blend_weights = [0 if part is None else len(part) for part in parts]
-        blend_size = None if size is None else min(size, sum(blend_weights))
-        if size is not None and blend_size < size:
-            log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, fewer than "
-                f"the {size} asked (token_weighted_blend gives a blend that can be repeated)")
-    if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
-        return None
-    for ds, part in zip(datasets, parts):
-        if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
-            raise ValueError(f"{ds.path_prefix}: its {SPLITS[i]} split ({split_string!r}) has no samples of "
-                             f"{options['seq_length']} tokens, so it cannot take part in the blend")
-    return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
-                          write_cache=options["write_cache"])
-
-
-def _gpt_split(dataset, matrix, i, num_samples, split_string, **options):
-    """The GPTDataset of split i of one prefix, or None when the split is absent or yields no samples."""
-    if matrix[i] is None:
-        return None
-    begin, end = split_range(len(dataset), matrix[i])
-    if not dataset.sequence_lengths[begin:end].any():
-        if num_samples:  # megatron-core loops forever here
-            raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split_string!r} of {len(dataset)} "
-                             f"sequences: [{begin}, {end})) has no tokens, but {num_samples} samples were asked of it")
-        return None
-    ds = GPTDataset(dataset, begin, end, num_samples=num_samples, split=SPLITS[i], **options)
-    return ds if len(ds) else None
+    return result if rank == 0 else build()
 
 
 class TokenWindows:
@@ -698,8 +687,7 @@ class LLMCValWindows(TokenWindows):
 
 
 def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
-    """The validation view of one split: its sequences in order (blend weights ignored) cut into TokenWindows; None
-    when the split has a zero ratio."""
+    """One split's sequences in order (blend weights ignored) as TokenWindows, to validate on; None for a zero ratio."""
     prefixes, _ = resolve_blend(paths)
     bookends = split_matrix(split)[split_index]
     if bookends is None:
@@ -713,9 +701,8 @@ def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, ma
 
 
 class PretrainingSampler:
-    """Micro-batches of dataset indices for one rank, as megatron's MegatronPretrainingSampler (a DataLoader
-    batch_sampler): global chunk k is [consumed + k*mbs*W, consumed + (k+1)*mbs*W), rank r takes its r-th mbs, an
-    incomplete last chunk is dropped; so a restart from `consumed_samples`, on any world size, continues in place."""
+    """One rank's micro-batches, as megatron's MegatronPretrainingSampler (a batch_sampler): rank r takes the r-th mbs
+    of each full global batch of mbs*W after `consumed_samples`, so a restart on any world size continues in place."""
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, rank, world_size):
         if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
@@ -739,9 +726,9 @@ class PretrainingSampler:
 # The command line
 
 
-def info(paths):
+def info(prefixes):
     """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
-    prefixes, totals = _cli_prefixes(paths), np.zeros(3, dtype=np.int64)
+    totals = np.zeros(3, dtype=np.int64)
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
         counts, lengths = np.array([ds.num_documents, len(ds), ds.num_tokens]), ds.sequence_lengths
@@ -755,10 +742,10 @@ def info(paths):
               f"{totals[2]:,} tokens")
 
 
-def verify(paths, vocab_size=None):
+def verify(prefixes, vocab_size=None):
     """Open every prefix (checking its index) and read every token (below `vocab_size` when given); the problems."""
     problems = []
-    for prefix in _cli_prefixes(paths):
+    for prefix in prefixes:
         try:
             ds = IndexedDataset(prefix)
             if not ds.num_tokens:
@@ -779,12 +766,6 @@ def verify(paths, vocab_size=None):
     return problems
 
 
-def _cli_prefixes(paths):
-    """Prefixes from the command line: one prefix or quoted glob, or the files an unquoted glob expanded to."""
-    paths = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in paths]
-    return resolve_blend(paths[0])[0] if len(paths) == 1 else sorted(set(paths))
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
     parser.add_argument("command", choices=["info", "verify"],
@@ -793,11 +774,14 @@ def main(argv=None):
     parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
     parser.add_argument("--vocab-size", type=int, default=None, help="verify: fail on token ids >= this")
     args = parser.parse_args(argv)
+    # one prefix or quoted glob, or the files an unquoted glob expanded to
+    paths = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in args.paths]
     try:
+        prefixes = resolve_blend(paths[0])[0] if len(paths) == 1 else sorted(set(paths))
         if args.command == "info":
-            info(args.paths)
+            info(prefixes)
             return 0
-        problems = verify(args.paths, args.vocab_size)
+        problems = verify(prefixes, args.vocab_size)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
