@@ -55,7 +55,7 @@ def output_prefix(output_dir, index):
     return os.path.join(output_dir, f"processed_data_{index}_text_document")
 
 
-def download(dataset="fineweb-edu", sample="10BT", data_dir="fineweb_edu"):
+def download(dataset, sample, data_dir):
     """The parquet files of `sample/{sample}` of the dataset, fetched into the hub cache `data_dir`; sorted paths."""
     repo_id, pattern = DATASETS[dataset], f"sample/{sample}/*.parquet"
     try:
@@ -69,28 +69,22 @@ def download(dataset="fineweb-edu", sample="10BT", data_dir="fineweb_edu"):
     return files
 
 
-def hub_sizes(repo_id, sample):
-    """{path in the repository: bytes} of the sample's parquet files, or None when the hub cannot be asked."""
+def check_disk_space(dataset, sample, data_dir, output_dir):
+    """Fail before the download if the parquet files not yet cached plus the outputs not yet written do not fit."""
+    repo_id = DATASETS[dataset]
     try:
         entries = list(huggingface_hub.HfApi().list_repo_tree(repo_id, f"sample/{sample}", repo_type="dataset"))
     except Exception as e:  # offline, or no such sample: the download will say so, or find everything cached
         print(f"could not list {repo_id} sample/{sample} on the hub ({e}); checking the space for the outputs only")
-        return None
-    return {entry.path: entry.size for entry in entries if entry.path.endswith(".parquet")}
-
-
-def check_disk_space(dataset, sample, data_dir, output_dir):
-    """Fail before the download if the parquet files not yet cached plus the outputs not yet written do not fit."""
-    repo_id = DATASETS[dataset]
-    fetch = sum(size for name, size in (hub_sizes(repo_id, sample) or {}).items() if not isinstance(
-        huggingface_hub.try_to_load_from_cache(repo_id, name, cache_dir=data_dir, repo_type="dataset"), str))
-    written = sum(os.path.getsize(path) for path in glob.glob(os.path.join(output_dir, "*"))
-                  if OUTPUT_FILE.fullmatch(os.path.basename(path)))
+        entries = []
+    fetch = sum(entry.size for entry in entries if entry.path.endswith(".parquet") and not isinstance(
+        huggingface_hub.try_to_load_from_cache(repo_id, entry.path, cache_dir=data_dir, repo_type="dataset"), str))
+    for directory in (data_dir, output_dir):  # made now (the run would make them) to learn their filesystems
+        os.makedirs(directory, exist_ok=True)
+    written = sum(entry.stat().st_size for entry in os.scandir(output_dir) if OUTPUT_FILE.fullmatch(entry.name))
     needs = {data_dir: fetch, output_dir: max(SAMPLE_TOKENS[sample] * OUTPUT_BYTES_PER_TOKEN - written, 0)}
     print(f"{repo_id} sample/{sample}: {fetch / 1e9:,.1f} GB of parquet to download into {data_dir}, about "
           f"{needs[output_dir] / 1e9:,.1f} GB of outputs to write in {output_dir}")
-    for directory in needs:  # made now (the run would make them) to learn their filesystems
-        os.makedirs(directory, exist_ok=True)
     for directory in needs:  # directories on one filesystem add up
         need = sum(size for other, size in needs.items() if os.stat(other).st_dev == os.stat(directory).st_dev)
         if need > (space := shutil.disk_usage(directory).free):
@@ -112,24 +106,22 @@ def find_inputs(pattern, output_dir=None):
 def locked(output_dir):
     """Hold an exclusive flock on output_dir/.prepare.lock for the block: a second run there stops at once."""
     path = os.path.join(output_dir, ".prepare.lock")
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
-            os.close(fd)
-            raise OSError(f"{path}: held by another prepare_fineweb.py run ({holder}) writing into {output_dir}; "
-                          f"wait for it to end or stop it") from None
-        if os.fstat(fd).st_nlink:  # else the run before removed it between our open and flock: lock the new one
-            break
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not os.fstat(fd).st_nlink:  # its holder removed it between our open and flock: that run is ending
+            raise BlockingIOError
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
         os.close(fd)
+        raise OSError(f"{path}: held by another prepare_fineweb.py run ({holder}) writing into {output_dir}; "
+                      f"wait for it to end or stop it") from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)  # for the other run's error
         yield fd
     finally:
-        os.remove(path)  # before the unlock: a run that opened it meanwhile sees it gone and opens a new one
+        os.remove(path)  # before the unlock: a run that opened it meanwhile sees it gone
         os.close(fd)
 
 
@@ -165,7 +157,7 @@ def read_tasks(path, text_key, chunk_bytes):
     if path.endswith(".parquet"):
         parquet = open_parquet(path, text_key)
         metadata, size = parquet.metadata, os.path.getsize(path)
-        leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path == text_key)
+        leaf = [column.path for column in metadata.schema].index(text_key)
         # a task is row groups for a worker to read, or a batch read here of a group over 16 chunks (too big for one)
         groups, group_bytes, rows, total_rows = [], 0, 0, max(metadata.num_rows, 1)  # progress: the share of rows read
         with contextlib.closing(parquet), reraised(path, "unreadable parquet data", pa.ArrowException):
@@ -310,10 +302,10 @@ def kept_outputs(inputs, output_dir, options):
     def finished(prefix, entry):  # whether the dataset at `prefix` is the complete one summary.json's entry describes
         if entry["output"] is None:  # every document of the input went to val, or it had none
             return entry["documents"] == 0
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an empty one (older code) is redone too
-            dataset = IndexedDataset(prefix)  # checks the index, and that the .bin holds exactly its tokens
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # IndexedDataset checks the .bin's size
+            dataset = IndexedDataset(prefix)
             return dataset.num_documents == entry["documents"] > 0 and dataset.num_tokens == entry["tokens"]
-        return False
+        return False  # an empty one (older code) is redone too
 
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):  # a damaged summary keeps nothing
         with open(os.path.join(output_dir, "summary.json")) as f:
@@ -321,20 +313,18 @@ def kept_outputs(inputs, output_dir, options):
         files = {entry["index"]: dict(entry, kept=True) for entry in earlier["files"]
                  if entry["index"] < len(inputs) and entry["fingerprint"] == fingerprints[entry["index"]]
                  and finished(output_prefix(output_dir, entry["index"]), entry)}
-        if not options["val_tokens"]:
-            return fingerprints, None, files, earlier
-        val, last = earlier["val"], earlier["val"]["last_input"]
+        val, last = (earlier["val"], earlier["val"]["last_input"]) if options["val_tokens"] else (None, -1)
         # val is kept only with the outputs of every input it draws from, as theirs start at its end
-        if (val["fingerprint"] == fingerprints[last] and all(index in files for index in range(last + 1))
-                and finished(os.path.join(output_dir, "val_text_document"), val)):
-            return fingerprints, dict(val, kept=True), files, earlier
+        if val is None or (val["fingerprint"] == fingerprints[last] and all(index in files for index in range(last + 1))
+                           and finished(os.path.join(output_dir, "val_text_document"), val)):
+            return fingerprints, val and dict(val, kept=True), files, earlier
     return fingerprints, None, {}, {}
 
 
 def write_output(prefix, documents):
-    """Write the token arrays `documents` as prefix.bin/.idx, each file published whole; return its summary entry."""
+    """Write the token arrays `documents` as prefix.bin/.idx, each file published whole; say so, return its entry."""
     for suffix in (".idx", ".bin"):  # the old pair goes first, so no half of it can pass for part of the new one
-        if os.path.exists(prefix + suffix):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(prefix + suffix)
     entry = dict(output=None, documents=0, tokens=0, output_bytes=0, kept=False)
     if (first := next(documents, None)) is None:  # no files: megatron-core cannot map an empty .bin
@@ -346,8 +336,9 @@ def write_output(prefix, documents):
             builder.add_document(document)
             entry["documents"] += 1
             entry["tokens"] += len(document)
-        atomic_save(prefix + ".idx", builder.finalize)  # finalize closes the .bin, which atomic_save then publishes
+        builder.finalize(prefix + ".idx")  # published whole, before the .bin it closes
     atomic_save(prefix + ".bin", save_bin)
+    tqdm.write(f"{prefix}: {entry['documents']:,} documents, {entry['tokens']:,} tokens")
     return dict(entry, output=prefix, output_bytes=2 * entry["tokens"])
 
 
@@ -377,7 +368,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
 
         def save(finished):
             entries = [files[index] for index in sorted(files)]
-            outputs, seconds = entries + ([val] if val else []), time.time() - start
+            outputs, seconds = entries + [val] * bool(val), time.time() - start
             summary = {key: sum(entry.get(key, 0) for entry in outputs) for key in
                        ("documents", "tokens", "empty_skipped", "invalid_utf8", "input_bytes", "output_bytes")}
             tokenized = sum(entry["tokens"] for entry in outputs if not entry["kept"])
@@ -393,23 +384,20 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
             ended = []  # the inputs whose every document went to val
             if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
-                val_prefix = os.path.join(output_dir, "val_text_document")
-                val = write_output(val_prefix, val_documents(stream, val_tokens, ended))
+                val = write_output(os.path.join(output_dir, "val_text_document"),
+                                   val_documents(stream, val_tokens, ended))
                 last = min(len(ended), len(inputs) - 1)  # the input of the last val document
                 val.update(last_input=last, fingerprint=fingerprints[last])
-                tqdm.write(f"{val_prefix}: {val['documents']:,} documents, {val['tokens']:,} tokens, inputs 0-{last}")
             for index in todo:  # its documents: none if val took them all, else the stream up to the end of its input
                 rest = (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream))
                 written = write_output(output_prefix(output_dir, index), iter(()) if index in ended else rest)
-                files[index] = dict(index=index, input=inputs[index], input_name=os.path.basename(inputs[index]),
-                                    fingerprint=fingerprints[index], **written, **counts[index],
-                                    input_bytes=os.path.getsize(inputs[index]))
+                path = inputs[index]
+                files[index] = dict(index=index, input=path, input_name=os.path.basename(path), **written,
+                                    fingerprint=fingerprints[index], **counts[index], input_bytes=os.path.getsize(path))
                 save(finished=False)
                 if not counts[index]["input_documents"]:
-                    tqdm.write(f"{inputs[index]}: warning: no documents (an empty file, or only empty texts), so no "
-                               f"output", file=sys.stderr)
-                tqdm.write(f"{written['output'] or inputs[index]}: {written['documents']:,} documents, "
-                           f"{written['tokens']:,} tokens")
+                    tqdm.write(f"{path}: warning: no documents (an empty file, or only empty texts), so no output",
+                               file=sys.stderr)
         summary = save(finished=True)
         made = {os.path.basename(entry["output"]) for entry in [val, *files.values()] if entry and entry["output"]}
         for name in sorted(os.listdir(output_dir)):

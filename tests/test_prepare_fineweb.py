@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -447,8 +448,8 @@ def test_outputs_of_inputs_no_longer_given_are_removed(tmp_path, capsys):
 
 def test_disk_space_is_checked_before_the_download(tmp_path, monkeypatch):
     data_dir, GB = str(tmp_path / "hub"), 10**9
-    sizes = {f"sample/100BT/{i:03d}_00000.parquet": 2 * GB for i in range(140)}  # 280 GB to download
-    monkeypatch.setattr(prepare_fineweb, "hub_sizes", lambda repo_id, sample: sizes)
+    entries = [types.SimpleNamespace(path=f"sample/100BT/{i:03d}_00000.parquet", size=2 * GB) for i in range(140)]
+    monkeypatch.setattr(prepare_fineweb.huggingface_hub.HfApi, "list_repo_tree", lambda *args, **kwargs: entries)
     monkeypatch.setattr(prepare_fineweb.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**15, 0, 400 * GB))
     downloads = []
 
