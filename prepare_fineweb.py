@@ -5,8 +5,7 @@
     python prepare_fineweb.py --input 'corpus/*.jsonl.gz' --output-dir data/corpus
 
 The first --val-tokens go to val_text_document (llm.c's val shard), the rest of input i to
-processed_data_{i}_text_document; a rerun keeps what summary.json's fingerprints still match. README.md ("Data").
-"""
+processed_data_{i}_text_document; a rerun keeps what summary.json's fingerprints still match. README.md ("Data")."""
 import argparse
 import collections
 import contextlib
@@ -158,26 +157,19 @@ def read_tasks(path, text_key, chunk_bytes):
         parquet = open_parquet(path, text_key)
         metadata, size = parquet.metadata, os.path.getsize(path)
         leaf = [column.path for column in metadata.schema].index(text_key)
-        # a task is row groups for a worker to read, or a batch read here of a group over 16 chunks (too big for one)
-        groups, group_bytes, rows, total_rows = [], 0, 0, max(metadata.num_rows, 1)  # progress: the share of rows read
+        rows, total_rows = 0, max(metadata.num_rows, 1)  # progress: the share of rows read
         with contextlib.closing(parquet), reraised(path, "unreadable parquet data", pa.ArrowException):
             for group in range(metadata.num_row_groups):
+                group_rows = metadata.row_group(group).num_rows
                 text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
-                big = text_bytes > 16 * chunk_bytes
-                if groups and (big or group_bytes >= chunk_bytes):
-                    yield (path, "row_groups", text_key, 0, groups), size * rows // total_rows
-                    groups, group_bytes = [], 0
-                if big:
-                    batch_rows = max(1, metadata.row_group(group).num_rows * chunk_bytes // text_bytes)
-                    for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
-                        rows += batch.num_rows
-                        yield (path, "texts", text_key, 0, batch.column(0)), size * rows // total_rows
-                else:
-                    groups.append(group)
-                    group_bytes += text_bytes
-                    rows += metadata.row_group(group).num_rows
-        if groups:
-            yield (path, "row_groups", text_key, 0, groups), size
+                if text_bytes <= 16 * chunk_bytes:  # a task: the row group, for a worker to read
+                    rows += group_rows
+                    yield (path, "row_group", text_key, 0, group), size * rows // total_rows
+                    continue
+                batch_rows = max(1, group_rows * chunk_bytes // text_bytes)  # too big: read here, ~chunk_bytes a task
+                for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
+                    rows += batch.num_rows
+                    yield (path, "texts", text_key, 0, batch.column(0)), size * rows // total_rows
         return
     kind = "txt" if path.endswith(".txt") else "jsonl"
     with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
@@ -201,9 +193,9 @@ parquet_file = functools.lru_cache(maxsize=1)(functools.partial(pq.ParquetFile, 
 def encode_task(task):
     """Tokenize one task in a worker: (uint16 tokens with EOT after each document, int64 document lengths, counts)."""
     path, kind, text_key, first_line, payload = task
-    if kind == "row_groups":
-        with reraised(path, f"unreadable parquet data in row groups {payload[0]}-{payload[-1]}", pa.ArrowException):
-            payload = parquet_file(path).read_row_groups(payload, columns=[text_key]).column(0)
+    if kind == "row_group":
+        with reraised(path, f"unreadable parquet data in row group {payload}", pa.ArrowException):
+            payload = parquet_file(path).read_row_group(payload, columns=[text_key]).column(0)
     if kind == "jsonl":
         raws = payload.split(b"\n")
     elif kind == "txt":  # a document is a run of lines that are not blank, without its final line break
