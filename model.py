@@ -85,8 +85,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.mlp(self.ln_2(x))
 
 
 # Rows of logits the loss head holds at once. Each chunk adds its (V x C) gradient into an fp32 grad_weight, ~12*V*C
@@ -174,19 +173,15 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying
-        # switches, not config fields (checkpoints are the same either way): recompute each block's activations in the
-        # backward (less memory, ~1/3 more compute); torch.compile the loss head's chunks (where blocks are compiled)
-        self.activation_checkpointing = False
-        self.compile_loss = False
-        self.init_weights()
+        # switches, not config fields: checkpoints are the same either way
+        self.activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
+        self.compile_loss = False  # torch.compile the loss head's chunks (where the blocks are compiled)
+        self.init_weights()  # ties lm_head.weight to wte.weight
 
     @torch.no_grad()
     def init_weights(self, named_parameters=None):
         """GPT-2's init in place (also after building on meta and to_empty()); padded vocabulary rows are zero."""
-        # to_empty() after building on the meta device unties the two; tie them again before drawing anything
-        if self.lm_head.weight is not self.transformer.wte.weight:
-            self.lm_head.weight = self.transformer.wte.weight
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying, again where to_empty() made two of it
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in named_parameters or self.named_parameters():  # the tied weight once, as transformer.wte.weight
             if name == "transformer.wte.weight":
@@ -216,18 +211,17 @@ class GPT(nn.Module):
         return 6 * n + 6 * cfg.n_layer * cfg.n_embd * (seq_len or cfg.block_size)
 
     def forward(self, idx, targets=None):
-        B, T = idx.size()
+        T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
             # per block, as torchtitan applies it; composes with block.compile() and FSDP2's per-block fully_shard
             x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x)
         x = self.transformer.ln_f(x)
-        # matmuls over the padded weight (aligned shapes); the padded columns never leave. Without targets the real
-        # vocabulary's logits, with them the loss alone, in fp32 and chunk by chunk: never the full logits
+        # matmuls over the padded weight (aligned shapes); out come the real vocabulary's logits, or with targets the
+        # loss alone, in fp32 and chunk by chunk: never the full logits
         if targets is None:
             return F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size].contiguous(), None
         return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
@@ -297,11 +291,12 @@ def from_pretrained(name_or_path, padded_vocab_size=None):
 
 def resolve_pretrained(name_or_path):
     """(local directory, GPTConfig) of a Hugging Face GPT-2 directory or hub id; reads no weights."""
-    if os.path.isdir(name_or_path):
-        directory = name_or_path
-    elif os.path.exists(name_or_path):
-        raise ValueError(f"{name_or_path}: a file; expected a model directory or a Hugging Face hub id")
-    else:
+    directory = name_or_path
+    if os.path.isfile(directory):
+        raise ValueError(f"{directory}: a file; expected a model directory or a Hugging Face hub id")
+    if not os.path.exists(directory) and directory.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{directory}: no such model directory")
+    if not os.path.isdir(directory):
         try:
             directory = huggingface_hub.snapshot_download(
                 name_or_path, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
@@ -316,18 +311,16 @@ def resolve_pretrained(name_or_path):
     try:
         with open(path) as f:
             hf = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: not a config (a JSON {type(hf).__name__}, expected an object)")
     if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
-        raise ValueError(f"{path}: not a GPT-2 config (model_type {hf.get('model_type')!r}); only the GPT-2 "
-                         f"architecture is supported")
+        raise ValueError(f"{path}: not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
     n_embd, activation, n_inner = hf.get("n_embd", 768), hf.get("activation_function", "gelu_new"), hf.get("n_inner")
     problems = [problem for unsupported, problem in (  # gelu_new and gelu_pytorch_tanh are the GELU we implement
-        (activation not in ("gelu_new", "gelu_pytorch_tanh"),
-         f"activation_function {activation!r} (supported: gelu_new, gelu_pytorch_tanh)"),
-        (n_inner not in (None, 4 * n_embd), f"n_inner {n_inner} (supported: null or 4 * n_embd = {4 * n_embd})"),
+        (activation not in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {activation!r} (not gelu_new)"),
+        (n_inner not in (None, 4 * n_embd), f"n_inner {n_inner} (supported: null or {4 * n_embd})"),
         (not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False),
          "a non-standard attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx)")) if unsupported]
     if problems:
@@ -357,7 +350,7 @@ def load_hf_sharded(model, name_or_path):
         try:
             with open(where) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
         where, paths = f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
     shapes, sources = {}, {}  # key -> its shape, and its safetensors file or the pickle's (memory-mapped) tensor
@@ -374,21 +367,17 @@ def load_hf_sharded(model, name_or_path):
         raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
     # both layouts of real files pass: keys with or without the "transformer." prefix, lm_head.weight or not, and
     # the attn.bias / attn.masked_bias causal-mask buffers of older transformers versions, which are not weights
+    keys = {key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key: key  # ours -> the file's
+            for key in shapes if not key.endswith((".attn.bias", ".attn.masked_bias"))}
     expected = _hf_shapes(config)
+    problems = [f"missing tensor {name}" for name in expected if name not in keys]
     expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight again, or not there
-    keys = {}  # our name -> the file's key
-    for key in shapes:
-        name = key if key.startswith("transformer.") or key == "lm_head.weight" else "transformer." + key
-        if name in expected or not name.endswith((".attn.bias", ".attn.masked_bias")):
-            keys[name] = key
-    problems = [f"unexpected tensor {key}" for name, key in keys.items() if name not in expected]
+    problems += [f"unexpected tensor {key}" for name, key in keys.items() if name not in expected]
     problems += [f"{key} has shape {shapes[key]}, expected {expected[name]}"
                  for name, key in keys.items() if name in expected and shapes[key] != expected[name]]
-    problems += [f"missing tensor {name}" for name in expected if name not in keys and name != "lm_head.weight"]
     if problems:
-        raise ValueError(f"{where}: does not match its config.json ({config.n_layer} layers, n_embd {config.n_embd}, "
-                         f"vocab {config.vocab_size}, context {config.block_size}): {'; '.join(problems[:5])}"
-                         + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])}{more})")
 
     def read(name, index):  # the block `index` (a tuple of slices) of the file's tensor for our `name`
         if isinstance(sources[keys[name]], torch.Tensor):
@@ -414,8 +403,7 @@ def load_hf_sharded(model, name_or_path):
     if any(isinstance(p, DTensor) for p in params.values()):  # every rank fails alike
         dist.all_reduce(untied)
     if untied.item():
-        raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied output embeddings are not "
-                         f"supported)")
+        raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied embeddings are not supported)")
 
 
 def _hf_shapes(config):
@@ -482,9 +470,8 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
             os.chmod(os.path.join(new, name), 0o644)  # safetensors creates 0600 files
             _write(os.path.join(new, name), _fsync)
         _write(new, _fsync)
-        # the swap: renameat2(RENAME_EXCHANGE) (Linux) exchanges the two at once; where it fails (other systems, some
-        # network file systems) the old one is renamed aside first, and between the two renames (microseconds) there
-        # is no `directory`
+        # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); where it cannot (other systems, some network file
+        # systems) the old one is renamed aside first, leaving no `directory` for the microseconds between the renames
         renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
         exchanged = os.path.exists(directory) and renameat2 is not None and \
             renameat2(-100, os.fsencode(new), -100, os.fsencode(directory), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
@@ -569,10 +556,7 @@ def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
     """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or None; messages naming
     those skipped). Damaged ones are renamed aside, never deleted, or with read_only left in place. One process."""
     messages, damaged = [], []
-    while True:
-        found = [path for path in complete_checkpoints(ckpt_root) if path not in damaged]
-        if not found:
-            return None, messages
+    while found := [path for path in complete_checkpoints(ckpt_root) if path not in damaged]:
         problem = check_checkpoint(found[-1])
         if problem is None and load is not None:
             try:
@@ -585,6 +569,7 @@ def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
             damaged.append(found[-1])  # deleted it or wrote a newer one meanwhile: look again from the newest
             kept = "left in place" if read_only else f"kept as {set_aside(found[-1], 'damaged')}"
             messages.append(f"skipping damaged checkpoint {found[-1]}: {problem}; {kept}")
+    return None, messages
 
 
 def is_run_or_checkpoint(path):
@@ -607,8 +592,7 @@ def resolve_checkpoint(path, load=None):
 
 
 def load_weights(ckpt_path, model):
-    """Load only the model weights of a checkpoint into `model` (plain or sharded, any number of ranks); weights that
-    are NaN or inf raise ValueError on every rank (one device sync, under FSDP2 one all-reduce)."""
+    """A checkpoint's model weights into `model` (plain or FSDP2); NaN or inf raise ValueError on every rank alike."""
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=ckpt_path)
     set_model_state_dict(model, state["model"])
@@ -623,15 +607,12 @@ def load_weights(ckpt_path, model):
 
 def load_model(name_or_path):
     """A GPT in fp32 on the CPU from a hub name, an HF GPT-2 directory, or a train_gpt2.py run or checkpoint."""
-    if os.path.isdir(name_or_path) and is_run_or_checkpoint(name_or_path):
-        loaded = []
+    if not is_run_or_checkpoint(name_or_path):
+        return from_pretrained(name_or_path)
+    models = {}
 
-        def load(path):
-            loaded.append(GPT(GPTConfig(**read_train_state(path)["model_config"])))
-            load_weights(path, loaded[-1])
+    def load(path):
+        models[path] = GPT(GPTConfig(**read_train_state(path)["model_config"]))
+        load_weights(path, models[path])
 
-        resolve_checkpoint(name_or_path, load)
-        return loaded[-1]
-    if not os.path.exists(name_or_path) and name_or_path.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{name_or_path}: no such model directory")
-    return from_pretrained(name_or_path)
+    return models[resolve_checkpoint(name_or_path, load)]
