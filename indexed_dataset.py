@@ -1,10 +1,8 @@
 """Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the same samples in
 the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and BlendedDataset (tests/ compare them).
-
-The .idx file (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count
-S u64 | document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] |
-document boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` prints
-each prefix's counts or reads every token.
+The .idx (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count S u64
+| document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] | document
+boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files.
 """
 import argparse
 import functools
@@ -31,9 +29,7 @@ DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
 CACHE_FORMAT = 3  # bump when the cached arrays or their key change meaning (3: keyed by the data's fingerprint)
-# blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early from a guess; one numpy operation
-# handles at most SIDE_BY_SIDE_CELLS datasets x chunks, which keeps its arrays in the CPU cache
-CHUNK, WARM_UP, SIDE_BY_SIDE_CELLS = 512, 64, 1 << 17
+CHUNK, WARM_UP = 512, 64  # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early
 
 
 def distributed():
@@ -222,8 +218,7 @@ def resolve_blend(paths):
         matches = glob.glob(paths) + glob.glob(paths + ".bin") + glob.glob(paths + ".idx")
         prefixes = sorted({m[:-4] for m in matches if m.endswith((".bin", ".idx"))})
         if not prefixes:
-            raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files"
-                                    + (f" (it matches {len(matches)} other paths)" if matches else ""))
+            raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files")
         return prefixes, None
     entries, numbers = [str(p).strip() for p in paths], []
     if not entries:
@@ -270,8 +265,7 @@ def split_range(num_sequences, bookends):
 
 
 def token_weighted_blend(paths):
-    """The blend list [str(tokens of p0), p0, ...] of `paths`: unlike an unweighted list (one epoch of each at most in
-    megatron-core), it gives any number of samples."""
+    """The blend [str(tokens of p0), p0, ...] of `paths`: unlike an unweighted list, it goes past an epoch."""
     prefixes, weights = resolve_blend(paths)
     if weights is not None:
         raise ValueError(f"{paths}: already weighted; token_weighted_blend weights a list of prefixes")
@@ -285,8 +279,7 @@ def token_weighted_blend(paths):
 
 
 def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
-    """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) for sequences [begin, end): whole
-    epochs, as many as `num_samples` need (None: one)."""
+    """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) of sequences [begin, end), in epochs."""
     extra = int(add_extra_token)
     tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: _gpt_split checks
     num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
@@ -365,36 +358,23 @@ def blending_indices(weights, size=None):
 
 
 def _greedy(weights, quotas, first_steps, draws, steps):
-    """`steps` greedy steps from each row of `draws` (the draws before step first_steps[row]): the datasets picked and
-    their sample numbers, (rows, steps) each, and the draws after."""
-    num_datasets, rows = len(weights), len(draws)
+    """(datasets picked, their sample numbers, draws after) of `steps` greedy steps from each row of `draws`."""
+    num_datasets = len(weights)
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    picks, samples = np.empty((rows, steps), np.int16), np.empty((rows, steps), np.int64)
-    end_draws = np.empty_like(draws)
-    per_group = max(1, SIDE_BY_SIDE_CELLS // num_datasets)
-    for group in (slice(g, g + per_group) for g in range(0, rows, per_group)):
-        counts = np.ascontiguousarray(draws[group].T, dtype=np.float64)  # (datasets, chunks): reduce along rows
-        flat_counts, columns = counts.reshape(-1), np.arange(counts.shape[1])
-        step, largest = np.empty(len(columns)), np.empty(len(columns))
-        error, is_largest = np.empty_like(counts), np.empty(counts.shape, dtype=bool)
-        ranked = np.empty(counts.shape, dtype=np.int16)
-        for t in range(steps):
-            np.maximum(first_steps[group] + t, 1.0, out=step)
-            np.multiply(weights[:, None], step, out=error)
-            error -= counts
-            if quotas is not None:
-                np.putmask(error, counts >= quotas[:, None], -np.inf)
-            # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
-            np.max(error, axis=0, out=largest)
-            np.equal(error, largest, out=is_largest)
-            np.multiply(is_largest, first_on_ties, out=ranked)
-            pick = num_datasets - ranked.max(axis=0).astype(np.int64)
-            where = pick * len(columns) + columns
-            picks[group, t] = pick
-            samples[group, t] = flat_counts[where]
-            flat_counts[where] += 1
-        end_draws[group] = counts.T
-    return picks, samples, end_draws
+    picks, samples = np.empty((len(draws), steps), np.int16), np.empty((len(draws), steps), np.int64)
+    counts = np.ascontiguousarray(draws.T, dtype=np.float64)  # (datasets, rows): reduce along the first axis
+    flat_counts, columns = counts.reshape(-1), np.arange(counts.shape[1])
+    for t in range(steps):
+        error = weights[:, None] * np.maximum(first_steps + t, 1.0) - counts
+        if quotas is not None:
+            np.putmask(error, counts >= quotas[:, None], -np.inf)
+        # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+        pick = num_datasets - ((error == error.max(axis=0)) * first_on_ties).max(axis=0).astype(np.int64)
+        where = pick * len(columns) + columns
+        picks[:, t] = pick
+        samples[:, t] = flat_counts[where]
+        flat_counts[where] += 1
+    return picks, samples, counts.T.astype(np.int64)
 
 
 def cached(cache_dir, name, key, build, write):
@@ -452,8 +432,8 @@ def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
 
 
 class GPTDataset:
-    """megatron-core's GPTDataset over the sequences [begin, end) of one IndexedDataset. Without `add_extra_token` a
-    sample reads seq_length tokens and the last label, which megatron pads and masks out, is -100."""
+    """megatron-core's GPTDataset of sequences [begin, end) of an IndexedDataset; without `add_extra_token` the last
+    label, which megatron pads and masks out, is -100."""
 
     def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
                  split="train", cache_dir=None, write_cache=True):
@@ -480,17 +460,12 @@ class GPTDataset:
     def __getitem__(self, i):
         j = self.shuffle_index[i]
         (first, first_offset), (last, last_offset) = self.sample_index[j], self.sample_index[j + 1]
-        get, documents = self.dataset.get, self.document_index
-        if first == last:
-            text = get(documents[first], first_offset, last_offset - first_offset + self.extra)
-        else:
-            pieces = [get(documents[first], first_offset)]
-            pieces += [get(documents[k]) for k in range(first + 1, last)]
-            pieces.append(get(documents[last], 0, last_offset + self.extra))
-            text = np.concatenate(pieces)
+        pieces = [self.dataset.get(self.document_index[k]) for k in range(first, last + 1)]  # views: nothing is read
+        pieces[-1] = pieces[-1][:last_offset + self.extra]  # the end first: the sample may lie in one sequence
+        pieces[0] = pieces[0][first_offset:]
+        text = np.concatenate(pieces, dtype=np.int64)
         if len(text) != self.seq_length + self.extra:  # the index under the sample changed
             raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {self.seq_length + self.extra}")
-        text = text.astype(np.int64)
         if self.extra:
             return {"tokens": text[:-1], "labels": text[1:]}
         return {"tokens": text, "labels": np.append(text[1:], -100)}
@@ -658,9 +633,8 @@ class TokenWindows:
         parts = [self.lead[start:stop]]
         for dataset, sequences, starts, positions in spans:
             for k in positions:
-                begin = max(start - starts[k], 0)
-                parts.append(dataset.get(sequences[k], begin, min(stop, starts[k + 1]) - starts[k] - begin))
-        text = np.concatenate(parts).astype(np.int64)
+                parts.append(dataset.get(sequences[k])[max(start - starts[k], 0):stop - starts[k]])
+        text = np.concatenate(parts, dtype=np.int64)
         if len(text) != stop - start:  # the index under the window changed
             raise spans[-1][0].changed(f"window {i} has {len(text)} tokens, not {stop - start}")
         return {"tokens": text[:-1], "labels": text[1:]}
