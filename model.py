@@ -250,9 +250,8 @@ class GPT(nn.Module):
 def init_sharded(model, seed):
     """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT, never holding it full."""
 
-    def named_parameters():
-        # each parameter as a full CPU tensor for init_weights to draw, of which this rank then keeps its block; every
-        # rank draws every number (the generator cannot skip ahead): that costs time, not memory
+    def named_parameters():  # each whole on the CPU for init_weights to draw, of which this rank keeps its block
+        # every rank draws every number (the generator cannot skip ahead): that costs time, not memory
         for name, p in model.named_parameters():
             local, index = local_block(p)
             full = torch.empty(p.shape, dtype=p.dtype)
@@ -416,8 +415,8 @@ def _hf_shapes(config):
 
 @torch.no_grad()
 def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
-    """Write `model` (plain, compiled or FSDP2-sharded; a collective, rank 0 writes) as transformers' save_pretrained
-    writes a GPT2LMHeadModel, into a new directory that extra_files(new) may add to and that replaces `directory`."""
+    """Write `model` (plain, compiled or FSDP2; a collective, rank 0 writes) as GPT2LMHeadModel.save_pretrained does,
+    into a new directory that extra_files(new) may add to and that then replaces `directory` whole."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
     cfg, writer = model.config, not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
