@@ -532,9 +532,8 @@ def check_checkpoint(path):
             sizes = json.load(f)["sizes"]
         for file, size in sizes.items():  # every file of the checkpoint, the shards included
             name = os.path.join(path, file)
-            if os.path.getsize(name) != size:
-                how = "truncated" if os.path.getsize(name) < size else "changed"
-                return f"{name}: {how} ({os.path.getsize(name)} bytes, {size} when written)"
+            if (actual := os.path.getsize(name)) != size:
+                return f"{name}: {'truncated' if actual < size else 'changed'} ({actual} bytes, {size} when written)"
         name = os.path.join(path, "train_state.json")
         missing = [key for key in ("step", "consumed_samples", "model_config") if key not in read_train_state(path)]
         return f"{name}: no '{missing[0]}'" if missing else None
