@@ -45,10 +45,7 @@ def log(message):
         print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # The .bin/.idx files
-
-
 class IndexedDataset:
     """Memory-mapped reader of `<path_prefix>.bin` + `<path_prefix>.idx`; `ds[i]` is sequence i's tokens, a read-only
     view. Opening checks the header against the file sizes and, with `check`, the whole index, naming the file."""
@@ -159,14 +156,13 @@ class IndexedDataset:
 
 
 class IndexedDatasetBuilder:
-    """Writer of `<prefix>.bin` (as documents are added) and `<prefix>.idx` (at `finalize`), byte for byte as
-    megatron-core's; an interrupted build leaves a .bin without an index, which no reader accepts."""
+    """Writer of `<prefix>.bin` and, at `finalize`, `<prefix>.idx`, byte for byte as megatron-core's."""
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path = str(bin_path)
         self.dtype = np.dtype(dtype)  # one of DTYPES
         if self.bin_path.endswith(".bin") and os.path.exists(self.bin_path[:-4] + ".idx"):
-            os.remove(self.bin_path[:-4] + ".idx")  # it describes the tokens this builder is about to overwrite
+            os.remove(self.bin_path[:-4] + ".idx")  # no reader accepts the .bin of an interrupted build without it
         self._bin = open(self.bin_path, "wb")
         self.sequence_lengths, self.document_indices = array("q"), array("q", [0])
 
@@ -179,8 +175,7 @@ class IndexedDatasetBuilder:
         if tokens.size and self.dtype.kind in "iu" and not np.can_cast(tokens.dtype, self.dtype):
             if tokens.dtype.kind not in "iub":
                 raise ValueError(f"{self.bin_path}: tokens must be integers, got {tokens.dtype}")
-            info = np.iinfo(self.dtype)
-            bad = tokens[(tokens < info.min) | (tokens > info.max)]
+            bad = tokens[tokens.astype(self.dtype) != tokens]
             if bad.size:
                 raise ValueError(f"{self.bin_path}: token {bad[0]} does not fit this dataset's dtype {self.dtype}")
         lengths = ([tokens.size] if tokens.size else []) if lengths is None else [int(n) for n in lengths]
@@ -194,20 +189,15 @@ class IndexedDatasetBuilder:
         """Close the .bin and write the index to `idx_path`."""
         self._bin.close()
         lengths = np.frombuffer(self.sequence_lengths, dtype=np.int64)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         boundaries = np.frombuffer(self.document_indices, dtype=np.int64)
         with atomic_write(idx_path) as f:
             f.write(HEADER.pack(INDEX_MAGIC, 1, DTYPE_CODES[self.dtype], len(lengths), len(boundaries)))
             f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
+            f.write(((np.cumsum(lengths) - lengths) * self.dtype.itemsize).astype("<i8").tobytes())  # the pointers
             f.write(boundaries.astype("<i8").tobytes())
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # Which prefixes, which weights, which part of each, and the index arrays of each dataset
-
-
 def resolve_blend(paths):
     """(prefixes, weights or None) for a prefix, a list of them, a Megatron blend list like ["30", p0, "70", p1] or a
     glob, which gives the sorted prefixes of the .bin/.idx files or the prefixes it matches (as NeMo AutoModel)."""
@@ -281,13 +271,12 @@ def token_weighted_blend(paths):
 def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
     """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) of sequences [begin, end), in epochs."""
     extra = int(add_extra_token)
-    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: _gpt_split checks
+    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: build_gpt_datasets checks
     num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
     samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     samples_per_epoch = (tokens_per_epoch - extra) // seq_length
     separate_final_epoch = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
     total_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
-
     # drawn in this order: the document shuffle(s), then the sample shuffle(s); a separate final epoch is shuffled
     # apart from the epochs before it (shuffling nothing draws nothing)
     rng = np.random.RandomState(seed)
@@ -295,7 +284,6 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     cut = (num_epochs - separate_final_epoch) * (end - begin)
     rng.shuffle(document_index[:cut])
     rng.shuffle(document_index[cut:])
-
     # sample_index: the (position in the document index, token offset in that sequence) where each sample starts, at
     # once instead of Megatron's C++ walk: row k lies in the last sequence starting at or before token k * seq_length +
     # extra - 1 (empty ones are stepped over), i.e. the count of sequences whose first row is <= k, minus one
@@ -316,7 +304,6 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
         offsets -= starts[sequence]
         sample_index[first:last, 0] = sequence
         sample_index[first:last, 1] = offsets
-
     shuffle_index = np.arange(total_samples, dtype=np.uint32 if total_samples < 2**32 - 2 else np.int64)
     cut = samples_before_final_epoch if separate_final_epoch else total_samples
     rng.shuffle(shuffle_index[:cut])
@@ -427,10 +414,7 @@ def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
             beside(prefixes[0], "BlendedDataset") if blended else None)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # Datasets: training samples, validation windows in order, and the training sampler
-
-
 class GPTDataset:
     """megatron-core's GPTDataset of sequences [begin, end) of an IndexedDataset; without `add_extra_token` the last
     label, which megatron pads and masks out, is -100."""
@@ -479,13 +463,12 @@ class GPTDataset:
 
 
 class BlendedDataset:
-    """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`.
-    With `size`, float `weights` are normalized (again, as megatron does); without, they are exact integer counts."""
+    """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`."""
 
     def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, write_cache=True):
         self.datasets = datasets
-        if size is not None:
-            weights = normalize(weights)
+        if size is not None:  # without a size, weights are exact counts
+            weights = normalize(weights)  # again, as megatron does
         key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
 
         def build():
@@ -515,10 +498,9 @@ class BlendedDataset:
 
 def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
                        fallback_cache_dir=None):
-    """(train, valid, test) as megatron-core's BlendedMegatronDatasetBuilder(GPTDataset, sizes, ...).build() makes
-    them from `paths` (resolve_blend), None for a split without samples. sizes: samples per split (None: one epoch),
-    in whole epochs; a weighted blend needs one for each split it builds. The indices are cached (cache_dirs); under
-    torch.distributed rank 0 builds and writes them, then the others load them."""
+    """(train, valid, test), each None without samples, as megatron-core's BlendedMegatronDatasetBuilder builds them
+    from `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch; a weighted blend needs them). The
+    indices are cached (cache_dirs); under torch.distributed rank 0 builds and writes them, then the others load."""
     if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
@@ -599,9 +581,8 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
 
 
 class TokenWindows:
-    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T : k*T + T + 1], as
-    {"tokens": its first T, "labels": its last T}: consecutive windows share one token, as llm.c's loader reads.
-    There are as many windows as the stream holds, at most `length`."""
+    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T : k*T + T + 1] as
+    {"tokens": its first T, "labels": its last T}, as llm.c reads; as many as the stream holds, at most `length`."""
 
     def __init__(self, pieces, seq_length, length=None, lead=()):
         self.pieces, self.seq_length, self.lead = pieces, seq_length, np.asarray(lead, dtype=np.int64)
@@ -696,10 +677,7 @@ class PretrainingSampler:
             yield list(range(first, first + self.micro_batch_size))
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # The command line
-
-
 def info(prefixes):
     """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
     totals = np.zeros(3, dtype=np.int64)
