@@ -96,8 +96,8 @@ class IndexedDataset:
             relation = "shorter" if bin_size < expected else "longer"
             raise ValueError(f"{bin_path}: {bin_size} bytes, {relation} than the {expected} bytes its index "
                              f"{idx_path} says")
-        # every token of the .bin in file order; numpy cannot map an empty file, which has no tokens to map anyway
-        self.tokens = np.memmap(bin_path, self.dtype, "r") if bin_size else np.empty(0, self.dtype)
+        # every token in file order, a plain view (a memmap's slices cost more); an empty file cannot be mapped
+        self.tokens = np.memmap(bin_path, self.dtype, "r").view(np.ndarray) if bin_size else np.empty(0, self.dtype)
 
     def __len__(self):
         return len(self.sequence_lengths)
