@@ -549,7 +549,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
             if sizes[i] is not None and blend_size < sizes[i]:
                 log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, fewer than "
                     f"the {sizes[i]} asked (token_weighted_blend gives a blend that can be repeated)")
-        if blend_size == 0 or (blend_size is None and sum(blend_weights) == 0):
+        if blend_size == 0 or sum(blend_weights) == 0:
             return None
         for dataset, part in zip(datasets, parts):
             if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
