@@ -721,8 +721,7 @@ def verify(prefixes, vocab_size=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
     parser.add_argument("command", choices=["info", "verify"],
-                        help="info: documents, sequences, tokens, dtype and sizes; verify: check the index and read "
-                             "every token")
+                        help="info: counts, dtype and sizes; verify: check the index and read every token")
     parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
     parser.add_argument("--vocab-size", type=int, default=None, help="verify: fail on token ids >= this")
     args = parser.parse_args(argv)
