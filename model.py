@@ -131,17 +131,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if with_grads else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
+        # one buffer serves every chunk's logits, then their gradient: no allocation (nor page faults) per chunk
+        buffer = torch.empty(min(chunk_size, x.size(0)), weight.size(0), dtype=x.dtype, device=x.device)
         for start in range(0, x.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
-            grad_logits = x[rows] @ weight.t()  # the logits, until the body writes their gradient over them
+            grad_logits = torch.mm(x[rows], weight.t(), out=buffer[:len(x[rows])])
             loss = loss + body(grad_logits, targets[rows], vocab_size, count, with_grads)
             if with_grads:
-                grad_x[rows] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_x[rows])
                 if grad_logits.dtype == torch.float32:
                     torch.addmm(grad_weight, grad_logits.t(), x[rows], out=grad_weight)  # no (vocab x C) temporary
                 else:
                     grad_weight.add_(grad_logits.t() @ x[rows])
-            del grad_logits  # before the next chunk's are made: one chunk of logits alive at a time
         if with_grads:
             ctx.save_for_backward(grad_x.to(dtypes[0]), grad_weight.to(dtypes[1]))
         return loss / count
