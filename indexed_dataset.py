@@ -93,9 +93,8 @@ class IndexedDataset:
         if bin_size % self.dtype.itemsize:
             raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {self.dtype} tokens")
         if bin_size != expected:
-            relation = "shorter" if bin_size < expected else "longer"
-            raise ValueError(f"{bin_path}: {bin_size} bytes, {relation} than the {expected} bytes its index "
-                             f"{idx_path} says")
+            raise ValueError(f"{bin_path}: {bin_size} bytes, {'shorter' if bin_size < expected else 'longer'} than "
+                             f"the {expected} bytes its index {idx_path} says")
         # every token in file order, a plain view (a memmap's slices cost more); an empty file cannot be mapped
         self.tokens = np.memmap(bin_path, self.dtype, "r").view(np.ndarray) if bin_size else np.empty(0, self.dtype)
 
@@ -147,9 +146,7 @@ class IndexedDataset:
             raise ValueError(f"{idx_path}: corrupt: sequence {np.argmin(sizes)} has a negative length {sizes.min()}")
         sizes *= self.dtype.itemsize
         starts = np.cumsum(sizes) - sizes
-        bad = np.flatnonzero(self.sequence_pointers != starts)
-        if bad.size:
-            k = int(bad[0])
+        for k in np.flatnonzero(self.sequence_pointers != starts)[:1]:  # the first wrong pointer, if any
             raise ValueError(f"{idx_path}: corrupt: sequence {k} starts at byte {self.sequence_pointers[k]} of the "
                              f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} tokens): a "
                              f"wrong dtype code or damaged pointers")
@@ -269,7 +266,7 @@ def token_weighted_blend(paths):
 
 
 def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
-    """megatron-core GPTDataset's (document_index, sample_index, shuffle_index) of sequences [begin, end), in epochs."""
+    """megatron-core GPTDataset's {document_index, sample_index, shuffle_index} of sequences [begin, end), in epochs."""
     extra = int(add_extra_token)
     tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: build_gpt_datasets checks
     num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
@@ -308,14 +305,13 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     cut = samples_before_final_epoch if separate_final_epoch else total_samples
     rng.shuffle(shuffle_index[:cut])
     rng.shuffle(shuffle_index[cut:])
-    return document_index, sample_index, shuffle_index
+    return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
 def blending_indices(weights, size=None):
     """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with `size`, step s draws the
-    dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, in float64); without, `weights` are counts,
-    drawn exactly. Chunks of the sequential greedy run side by side, each from a guess (largest remainder, then
-    WARM_UP steps), rerun from where the chunk before really ended until none differs: exact."""
+    dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, in float64); without, `weights` are counts.
+    Chunks of the greedy run side by side from a guess, each rerun from where the one before ended until exact."""
     if size is None:
         quotas = np.asarray(weights, dtype=np.int64)
         size, weights = int(quotas.sum()), quotas / float(quotas.sum())
@@ -364,8 +360,8 @@ def _greedy(weights, quotas, first_steps, draws, steps):
     return picks, samples, counts.T.astype(np.int64)
 
 
-def cached(cache_dir, name, key, build, write):
-    """The arrays `build()` returns, kept in `cache_dir` as `{hash}-{name}-{array}.npy` and, written last,
+def cached(cache_dir, name, key, build):
+    """The arrays `build()` returns, kept in `cache_dir` (by rank 0) as `{hash}-{name}-{array}.npy` and, written last,
     `{hash}-{name}.json` holding `key` (every parameter, each source's fingerprint); what does not load is rebuilt."""
     if cache_dir is None:
         return build()
@@ -381,7 +377,7 @@ def cached(cache_dir, name, key, build, write):
         except Exception as error:  # whatever is wrong with it, a rebuild is the cure
             log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
     arrays = build()
-    if write:
+    if distributed()[0] == 0:  # the other ranks load what rank 0 wrote
         try:
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
@@ -416,11 +412,10 @@ def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
 
 # Datasets: training samples, validation windows in order, and the training sampler
 class GPTDataset:
-    """megatron-core's GPTDataset of sequences [begin, end) of an IndexedDataset; without `add_extra_token` the last
-    label, which megatron pads and masks out, is -100."""
+    """megatron-core's GPTDataset of sequences [begin, end); without `add_extra_token` the last label is -100."""
 
-    def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
-                 split="train", cache_dir=None, write_cache=True):
+    def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True, split="train",
+                 cache_dir=None):
         self.dataset, self.seq_length, self.extra = dataset, seq_length, int(add_extra_token)
         key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "source": dataset.fingerprint,
                "sequences": [begin, end], "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
@@ -428,14 +423,13 @@ class GPTDataset:
 
         def build():
             t0 = time.time()
-            document_index, sample_index, shuffle_index = gpt_indices(
-                dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
-                add_extra_token=add_extra_token)
-            log(f"{dataset.path_prefix}: {split} indices, {len(shuffle_index)} samples of {seq_length} tokens from "
-                f"{len(document_index)} sequences, built in {time.time() - t0:.2f}s")
-            return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+            arrays = gpt_indices(dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples,
+                                 seed=seed, add_extra_token=add_extra_token)
+            log(f"{dataset.path_prefix}: {split} indices, {len(arrays['shuffle_index'])} samples of {seq_length} "
+                f"tokens from {len(arrays['document_index'])} sequences, built in {time.time() - t0:.2f}s")
+            return arrays
 
-        arrays = cached(cache_dir, f"GPTDataset-{split}", key, build, write_cache)
+        arrays = cached(cache_dir, f"GPTDataset-{split}", key, build)
         self.document_index, self.sample_index, self.shuffle_index = arrays.values()
 
     def __len__(self):
@@ -450,9 +444,8 @@ class GPTDataset:
         text = np.concatenate(pieces, dtype=np.int64)
         if len(text) != self.seq_length + self.extra:  # the index under the sample changed
             raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {self.seq_length + self.extra}")
-        if self.extra:
-            return {"tokens": text[:-1], "labels": text[1:]}
-        return {"tokens": text, "labels": np.append(text[1:], -100)}
+        labels = text[1:] if self.extra else np.append(text[1:], -100)  # megatron pads the last label and masks it
+        return {"tokens": text[:len(labels)], "labels": labels}
 
     def describe(self, i):
         """Where sample i comes from, e.g. "data/a_text_document: documents 12, 7 (sample 77)"."""
@@ -465,7 +458,7 @@ class GPTDataset:
 class BlendedDataset:
     """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`."""
 
-    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, write_cache=True):
+    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None):
         self.datasets = datasets
         if size is not None:  # without a size, weights are exact counts
             weights = normalize(weights)  # again, as megatron does
@@ -482,8 +475,8 @@ class BlendedDataset:
                 log(f"{split} blend: {dataset.dataset.path_prefix}: weight {weight:.4g}, {drawn:,} samples")
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
 
-        self.dataset_index, self.dataset_sample_index = cached(cache_dir, f"BlendedDataset-{split}", key, build,
-                                                               write_cache).values()
+        arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build)
+        self.dataset_index, self.dataset_sample_index = arrays.values()
 
     def __len__(self):
         return len(self.dataset_index)
@@ -529,7 +522,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
                                  f"sequences: [{begin}, {end})) has no tokens, but {num_samples} samples were asked")
             return None
         ds = GPTDataset(dataset, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
-                        split=SPLITS[i], cache_dir=dirs[d], write_cache=rank == 0)
+                        split=SPLITS[i], cache_dir=dirs[d])
         return ds if len(ds) else None
 
     def split_dataset(i):
@@ -551,23 +544,20 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
                     f"the {sizes[i]} asked (token_weighted_blend gives a blend that can be repeated)")
         if blend_size == 0 or sum(blend_weights) == 0:
             return None
-        for dataset, part in zip(datasets, parts):
-            if part is None:  # megatron-core cannot blend an empty dataset either (it asserts)
-                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split!r}) has no samples of "
-                                 f"{seq_length} tokens, so it cannot take part in the blend")
-        return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
-                              write_cache=rank == 0)
+        if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
+            raise ValueError(f"{prefixes[parts.index(None)]}: its {SPLITS[i]} split ({split!r}) has no samples of "
+                             f"{seq_length} tokens, so it cannot take part in the blend")
+        return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir)
 
     def build():
         for dataset, directory in zip(datasets, dirs):  # the index check, remembered for these very files
             key = {"format": CACHE_FORMAT, "class": "IndexCheck", "source": dataset.fingerprint}
-            cached(directory, "IndexedDataset-checked", key, lambda: dataset.check() or {}, rank == 0)
+            cached(directory, "IndexedDataset-checked", key, lambda: dataset.check() or {})
         return tuple(split_dataset(i) for i in range(3))
 
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
         return build()
     import torch.distributed as dist  # a process group exists, so torch is already imported
-
     failure = [None]  # rank 0 builds and writes first, then tells the others whether it failed: none waits forever
     if rank == 0:
         try:
@@ -591,9 +581,8 @@ class TokenWindows:
             starts = total + np.cumsum(np.concatenate([[0], dataset.sequence_lengths[sequences]]), dtype=np.int64)
             total = int(starts[-1])
             self.piece_starts.append(starts)
-        self.num_tokens, self.length = total, max(0, (total - 1) // seq_length)
-        if length is not None:
-            self.length = min(self.length, length)
+        self.num_tokens = total
+        self.length = min(max(0, (total - 1) // seq_length), math.inf if length is None else length)
 
     def __len__(self):
         return self.length
@@ -669,52 +658,43 @@ class PretrainingSampler:
         self.first = consumed_samples + rank * micro_batch_size  # this rank's first sample of each global batch
         self.steps = (total_samples - consumed_samples) // self.global_batch
 
-    def __len__(self):
-        return self.steps
-
     def __iter__(self):
         for first in range(self.first, self.first + self.steps * self.global_batch, self.global_batch):
             yield list(range(first, first + self.micro_batch_size))
 
 
 # The command line
-def info(prefixes):
-    """One line per prefix (and a total): documents, sequences, tokens, dtype, file sizes."""
-    totals = np.zeros(3, dtype=np.int64)
-    for prefix in prefixes:
-        ds = IndexedDataset(prefix)
-        counts, lengths = np.array([ds.num_documents, len(ds), ds.num_tokens]), ds.sequence_lengths
-        totals += counts
-        spread = (f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
-                  if len(lengths) else "")
-        print(f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens ({ds.dtype}); "
-              f".bin {ds.sizes['.bin']:,} bytes, .idx {ds.sizes['.idx']:,} bytes" + spread)
-    if len(prefixes) > 1:
-        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} sequences, "
-              f"{totals[2]:,} tokens")
-
-
-def verify(prefixes, vocab_size=None):
-    """Open every prefix (checking its index) and read every token (below `vocab_size` when given); the problems."""
-    problems = []
+def verify(prefixes, vocab_size=None, read_tokens=True):
+    """Print each prefix's counts and sizes (opening checks its index) and with `read_tokens` its ids; the problems."""
+    problems, totals = [], np.zeros(3, dtype=np.int64)
     for prefix in prefixes:
         try:
             ds = IndexedDataset(prefix)
-            if not ds.num_tokens:
+            if read_tokens and not ds.num_tokens:
                 raise ValueError(f"{prefix}.bin: no tokens ({ds.num_documents} documents): megatron-core cannot map "
                                  f"an empty .bin")
         except (ValueError, FileNotFoundError) as error:
             problems.append(str(error))
             continue
-        step = 1 << 26  # tokens at a time: each part is read once for its min and its max
-        parts = (ds.tokens[k:k + step] for k in range(0, len(ds.tokens), step))
-        ranges = np.array([(part.min(), part.max()) for part in parts])
-        low, high = int(ranges[:, 0].min()), int(ranges[:, 1].max())
-        ok = vocab_size is None or (high < vocab_size and low >= 0)
-        if not ok:
-            problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary [0, {vocab_size})")
-        print(f"{prefix}: {'ok' if ok else 'PROBLEMS'}: {ds.num_documents:,} documents, "
-              f"{len(ds):,} sequences, {ds.num_tokens:,} tokens, ids in [{low}, {high}]")
+        counts, lengths = np.array([ds.num_documents, len(ds), ds.num_tokens]), ds.sequence_lengths
+        totals += counts
+        line = (f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens ({ds.dtype}); "
+                f".bin {ds.sizes['.bin']:,} bytes, .idx {ds.sizes['.idx']:,} bytes")
+        if len(lengths):
+            line += f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
+        if read_tokens:
+            step = 1 << 26  # tokens at a time: a part is still in the page cache for its max
+            ranges = np.array([(ds.tokens[k:k + step].min(), ds.tokens[k:k + step].max())
+                               for k in range(0, len(ds.tokens), step)])
+            low, high = int(ranges[:, 0].min()), int(ranges[:, 1].max())
+            line += f", ids in [{low}, {high}]"
+            if vocab_size is not None and not 0 <= low <= high < vocab_size:
+                problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary "
+                                f"[0, {vocab_size})")
+        print(line)
+    if len(prefixes) > 1:
+        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} sequences, "
+              f"{totals[2]:,} tokens")
     return problems
 
 
@@ -729,10 +709,7 @@ def main(argv=None):
     paths = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in args.paths]
     try:
         prefixes = resolve_blend(paths[0])[0] if len(paths) == 1 else sorted(set(paths))
-        if args.command == "info":
-            info(prefixes)
-            return 0
-        problems = verify(prefixes, args.vocab_size)
+        problems = verify(prefixes, args.vocab_size, read_tokens=args.command == "verify")
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -451,8 +451,8 @@ def test_gpt_indices_at_scale(tmp_path, num_samples, add_extra_token):
                                 Split.train, config)
     ours = gpt_indices(Lengths.sequence_lengths, begin, end, seq_length=1024, num_samples=num_samples, seed=77,
                        add_extra_token=add_extra_token)
-    for name, actual in zip(("document_index", "sample_index", "shuffle_index"), ours):
-        expected = getattr(theirs, name)
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        expected, actual = getattr(theirs, name), ours[name]
         assert actual.dtype == expected.dtype, name
         np.testing.assert_array_equal(actual, expected, err_msg=name)
 
