@@ -2,8 +2,7 @@
 the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and BlendedDataset (tests/ compare them).
 The .idx (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count S u64
 | document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] | document
-boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files.
-"""
+boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files."""
 import argparse
 import functools
 import glob
@@ -47,8 +46,7 @@ def log(message):
 
 # The .bin/.idx files
 class IndexedDataset:
-    """Memory-mapped reader of `<path_prefix>.bin` + `<path_prefix>.idx`; `ds[i]` is sequence i's tokens, a read-only
-    view. Opening checks the header against the file sizes and, with `check`, the whole index, naming the file."""
+    """Memory-mapped `<path_prefix>.bin` + `.idx`: `ds[i]` is a read-only view of sequence i; opening checks them."""
 
     def __init__(self, path_prefix, check=True):
         self.path_prefix = str(path_prefix)
@@ -78,7 +76,7 @@ class IndexedDataset:
             raise ValueError(f"{idx_path}: truncated: its header announces {counts}: {expected} bytes, not {idx_size}")
         if idx_size not in (expected, expected + count):  # + S: the per-sequence modes of multimodal data
             raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries ({counts})")
-        self.dtype = np.dtype(DTYPES[code])
+        self.dtype, self.num_documents = np.dtype(DTYPES[code]), num_boundaries - 1
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(self._index, "<i8", count, HEADER.size + 4 * count)
@@ -108,10 +106,6 @@ class IndexedDataset:
         return self.tokens[start:start + length]
 
     __getitem__ = get
-
-    @property
-    def num_documents(self):
-        return len(self.document_indices) - 1
 
     @property
     def num_tokens(self):
@@ -297,10 +291,8 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
         begun_before, begun_by_last = np.searchsorted(first_rows, [first, last])
         sequence = np.cumsum(np.bincount(first_rows[begun_before:begun_by_last] - first, minlength=last - first))
         sequence += begun_before - 1
-        offsets = np.arange(first, last, dtype=np.int64) * seq_length
-        offsets -= starts[sequence]
         sample_index[first:last, 0] = sequence
-        sample_index[first:last, 1] = offsets
+        sample_index[first:last, 1] = np.arange(first, last, dtype=np.int64) * seq_length - starts[sequence]
     shuffle_index = np.arange(total_samples, dtype=np.uint32 if total_samples < 2**32 - 2 else np.int64)
     cut = samples_before_final_epoch if separate_final_epoch else total_samples
     rng.shuffle(shuffle_index[:cut])
@@ -406,8 +398,7 @@ def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
             log(f"{path}: not writable and no fallback cache directory: the indices are not kept")
         return fallback_cache_dir
 
-    return ([beside(prefix, "GPTDataset") for prefix in prefixes],
-            beside(prefixes[0], "BlendedDataset") if blended else None)
+    return [beside(p, "GPTDataset") for p in prefixes], beside(prefixes[0], "BlendedDataset") if blended else None
 
 
 # Datasets: training samples, validation windows in order, and the training sampler
@@ -492,8 +483,7 @@ class BlendedDataset:
 def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
                        fallback_cache_dir=None):
     """(train, valid, test), each None without samples, as megatron-core's BlendedMegatronDatasetBuilder builds them
-    from `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch; a weighted blend needs them). The
-    indices are cached (cache_dirs); under torch.distributed rank 0 builds and writes them, then the others load."""
+    from `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch); cached (cache_dirs) by rank 0."""
     if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
         raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
     if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
@@ -526,7 +516,6 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         return ds if len(ds) else None
 
     def split_dataset(i):
-        """Split i as megatron-core builds it, or None when it is absent or has no samples."""
         if matrix[i] is None:
             return None
         if weights is None and len(prefixes) == 1:
@@ -576,13 +565,12 @@ class TokenWindows:
 
     def __init__(self, pieces, seq_length, length=None, lead=()):
         self.pieces, self.seq_length, self.lead = pieces, seq_length, np.asarray(lead, dtype=np.int64)
-        self.piece_starts, total = [], len(self.lead)  # where each piece's sequences start in the stream, and its end
+        self.piece_starts, self.num_tokens = [], len(self.lead)  # where each piece's sequences start; the stream's end
         for dataset, sequences in pieces:
-            starts = total + np.cumsum(np.concatenate([[0], dataset.sequence_lengths[sequences]]), dtype=np.int64)
-            total = int(starts[-1])
+            starts = self.num_tokens + np.cumsum(np.r_[0, dataset.sequence_lengths[sequences]], dtype=np.int64)
+            self.num_tokens = int(starts[-1])
             self.piece_starts.append(starts)
-        self.num_tokens = total
-        self.length = min(max(0, (total - 1) // seq_length), math.inf if length is None else length)
+        self.length = min(max(0, (self.num_tokens - 1) // seq_length), math.inf if length is None else length)
 
     def __len__(self):
         return self.length
@@ -683,10 +671,9 @@ def verify(prefixes, vocab_size=None, read_tokens=True):
         if len(lengths):
             line += f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
         if read_tokens:
-            step = 1 << 26  # tokens at a time: a part is still in the page cache for its max
-            ranges = np.array([(ds.tokens[k:k + step].min(), ds.tokens[k:k + step].max())
-                               for k in range(0, len(ds.tokens), step)])
-            low, high = int(ranges[:, 0].min()), int(ranges[:, 1].max())
+            parts = np.array_split(ds.tokens, len(ds.tokens) // (1 << 26) + 1)  # each still cached for its max
+            ranges = np.array([(part.min(), part.max()) for part in parts])
+            low, high = int(ranges.min()), int(ranges.max())
             line += f", ids in [{low}, {high}]"
             if vocab_size is not None and not 0 <= low <= high < vocab_size:
                 problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary "
