@@ -58,8 +58,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the backend has it
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class MLP(nn.Module):
@@ -67,11 +66,10 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
 
 
 class Block(nn.Module):
@@ -88,16 +86,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-# Rows of logits the loss head holds at once. Each chunk adds its (V x C) gradient into an fp32 grad_weight, ~12*V*C
-# bytes of traffic against 6*R*V*C FLOPs of GEMMs: at an H100's ~200 FLOPs per byte (~700 TFLOP/s bf16, 3.3 TB/s)
-# that adds ~400/R to the head's GEMM time, 5% at 8192 rows (tile-aligned; 824 MB of bf16 logits at V=50304). A CPU
-# is slow enough per byte that 512 rows cost little, and keep the fp32 chunk at 103 MB (B=8 x T=1024: 1.65 GB).
+# Rows of logits the loss head holds at once: on an H100 each chunk's fp32 grad_weight update costs ~400/R of the
+# head's GEMM time (5% at 8192 rows); on a CPU 512 rows cost little and keep the fp32 chunk at 103 MB.
 LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=512)
 
 
 def _chunk_loss(logits, targets, vocab_size, count, with_grads):
-    """The summed loss of one chunk's logits (rows, padded vocab), in fp32; with_grads writes their gradient over them
-    (softmax - one-hot, over the count of targets), so one chunk-sized buffer serves both."""
+    """The summed fp32 loss of one chunk's logits (rows, padded vocab); with_grads writes their gradient over them."""
     out, logits = logits, logits.float()
     logits[:, vocab_size:] = float("-inf")  # padded rows of the weight: no softmax mass, loss or gradient
     lse = torch.logsumexp(logits, dim=-1)
@@ -131,7 +126,6 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if with_grads else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
-        # one buffer serves every chunk's logits, then their gradient: no allocation (nor page faults) per chunk
         buffer = torch.empty(min(chunk_size, x.size(0)), weight.size(0), dtype=x.dtype, device=x.device)
         for start in range(0, x.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
@@ -154,8 +148,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, compiled=False):
-    """Mean F.cross_entropy(x @ weight[:vocab_size].T, targets) in fp32, the GEMMs over all of weight, never the full
-    logits; compiled=True runs each chunk through torch.compile. All targets ignored (-100) give 0, not nan."""
+    """Mean F.cross_entropy(x @ weight[:vocab_size].T, targets) in fp32, never holding the full logits."""
     with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # none taken for validation
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size or weight.size(0),
                                            chunk_size or LOSS_CHUNK_ROWS.get(x.device.type, 1024), compiled, with_grads)
@@ -207,9 +200,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len=None):
         """llm.c's count (gpt2_estimate_mfu): 6*N, every parameter once, + 6*L*C*T; 0.80e9 for GPT-2 124M, T=1024."""
-        cfg = self.config
         n = sum(p.numel() for p in self.parameters())  # parameters() lists the tied weight once
-        return 6 * n + 6 * cfg.n_layer * cfg.n_embd * (seq_len or cfg.block_size)
+        return 6 * n + 6 * self.config.n_layer * self.config.n_embd * (seq_len or self.config.block_size)
 
     def forward(self, idx, targets=None):
         T = idx.size(1)
@@ -221,8 +213,7 @@ class GPT(nn.Module):
             # per block, as torchtitan applies it; composes with block.compile() and FSDP2's per-block fully_shard
             x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x)
         x = self.transformer.ln_f(x)
-        # matmuls over the padded weight (aligned shapes); out come the real vocabulary's logits, or with targets the
-        # loss alone, in fp32 and chunk by chunk: never the full logits
+        # matmuls over the padded weight (aligned shapes); out come the real vocabulary's logits, or the loss alone
         if targets is None:
             return F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size].contiguous(), None
         return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
@@ -240,8 +231,7 @@ class GPT(nn.Module):
             else:
                 logits = logits / temperature
                 if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
+                    logits[logits < torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]] = -float("inf")
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
@@ -251,8 +241,7 @@ class GPT(nn.Module):
 def init_sharded(model, seed):
     """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT, never holding it full."""
 
-    def named_parameters():  # each whole on the CPU for init_weights to draw, of which this rank keeps its block
-        # every rank draws every number (the generator cannot skip ahead): that costs time, not memory
+    def named_parameters():  # each whole on the CPU: every rank draws every number (the generator cannot skip)
         for name, p in model.named_parameters():
             local, index = local_block(p)
             full = torch.empty(p.shape, dtype=p.dtype)
@@ -294,41 +283,34 @@ def resolve_pretrained(name_or_path):
     directory = name_or_path
     if os.path.isfile(directory):
         raise ValueError(f"{directory}: a file; expected a model directory or a Hugging Face hub id")
-    if not os.path.exists(directory) and directory.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"{directory}: no such model directory")
     if not os.path.isdir(directory):
-        try:
+        if directory.startswith((".", "/", "~")):
+            raise FileNotFoundError(f"{directory}: no such model directory")
+        try:  # the config and the safetensors only: never a pickle, nor another framework's weights
             directory = huggingface_hub.snapshot_download(
                 name_or_path, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
-            if not any(f.endswith(".safetensors") for f in os.listdir(directory)):  # older repos: only the pickle
-                directory = huggingface_hub.snapshot_download(name_or_path, allow_patterns=["pytorch_model.bin"])
         except (OSError, ValueError) as e:  # not found, offline without a cached copy, invalid repo id
-            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available from the Hugging "
-                                    f"Face hub ({type(e).__name__}: {e})") from e
+            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available online ({e!r})") from e
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except ValueError as e:  # not JSON, or not UTF-8
+    ours = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size", n_layer="n_layer",
+                n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps")  # n_positions over n_ctx
+    try:  # what is wrong with the config, prefixed by its path
+        hf = json.loads(pathlib.Path(path).read_text())
+        if not isinstance(hf, dict):
+            raise ValueError(f"not a config (a JSON {type(hf).__name__}, expected an object)")
+        if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
+            raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
+        # the values of these keys that the model implements; gelu_new and gelu_pytorch_tanh are the same GELU
+        supported = dict(activation_function=("gelu_new", "gelu_pytorch_tanh"), scale_attn_weights=(True,),
+                         scale_attn_by_inverse_layer_idx=(False,), n_inner=(None, 4 * hf.get("n_embd", 768)))
+        for key, ok in supported.items():
+            if hf.get(key, ok[0]) not in ok:
+                raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, not {' or '.join(map(repr, ok))}")
+        return directory, GPTConfig(**{field: hf[key] for key, field in ours.items() if key in hf})
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path}: not a config (a JSON {type(hf).__name__}, expected an object)")
-    if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
-        raise ValueError(f"{path}: not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
-    n_embd, activation, n_inner = hf.get("n_embd", 768), hf.get("activation_function", "gelu_new"), hf.get("n_inner")
-    problems = [problem for unsupported, problem in (  # gelu_new and gelu_pytorch_tanh are the GELU we implement
-        (activation not in ("gelu_new", "gelu_pytorch_tanh"), f"activation_function {activation!r} (not gelu_new)"),
-        (n_inner not in (None, 4 * n_embd), f"n_inner {n_inner} (supported: null or {4 * n_embd})"),
-        (not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx", False),
-         "a non-standard attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx)")) if unsupported]
-    if problems:
-        raise ValueError(f"{path}: unsupported GPT-2 variant: {'; '.join(problems)}")
-    try:
-        return directory, GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), n_embd=n_embd,
-                                    vocab_size=hf.get("vocab_size", 50257), n_layer=hf.get("n_layer", 12),
-                                    n_head=hf.get("n_head", 12), layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
 
@@ -341,32 +323,27 @@ def load_hf_sharded(model, name_or_path):
               if k != "padded_vocab_size" and getattr(model.config, k) != getattr(config, k)]  # ours to choose
     if differ:
         raise ValueError(f"{directory}/config.json: the model to load into differs: {', '.join(differ)}")
-    names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")  # the first found is read
-    paths = [os.path.join(directory, name) for name in names if os.path.isfile(os.path.join(directory, name))][:1]
-    if not paths:
-        raise FileNotFoundError(f"{directory}: no weights ({', '.join(names)})")
-    where = paths[0]
-    if where.endswith(".json"):
+    where = os.path.join(directory, "model.safetensors")
+    paths = [where]
+    if not os.path.isfile(where):
+        where = os.path.join(directory, "model.safetensors.index.json")
+        if not os.path.isfile(where):
+            raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors.index.json; "
+                                    "convert a pytorch_model.bin to safetensors first)")
         try:
-            with open(where) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(json.loads(pathlib.Path(where).read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
         where, paths = f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
-    shapes, sources = {}, {}  # key -> its shape, and its safetensors file or the pickle's (memory-mapped) tensor
+    shapes, sources = {}, {}  # the file's key -> its shape, and the file that holds it
     try:
         for path in paths:
-            if path.endswith(".bin"):  # mapped, not read: each rank's slices page in only their rows
-                sources.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-                shapes.update((key, tuple(t.shape)) for key, t in sources.items())
-            else:
-                with safe_open(path, "pt") as f:  # the header only
-                    for key in f.keys():
-                        shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
+            with safe_open(path, "pt") as f:  # the header only
+                for key in f.keys():
+                    shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
     except Exception as e:  # whatever the parser says, the file is the problem: name it
         raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
-    # both layouts of real files pass: keys with or without the "transformer." prefix, lm_head.weight or not, and
-    # the attn.bias / attn.masked_bias causal-mask buffers of older transformers versions, which are not weights
+    # keys with or without "transformer.", lm_head.weight or not; not older transformers' causal-mask buffers
     keys = {key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key: key  # ours -> the file's
             for key in shapes if not key.endswith((".attn.bias", ".attn.masked_bias"))}
     expected = _hf_shapes(config)
@@ -380,8 +357,6 @@ def load_hf_sharded(model, name_or_path):
         raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])}{more})")
 
     def read(name, index):  # the block `index` (a tuple of slices) of the file's tensor for our `name`
-        if isinstance(sources[keys[name]], torch.Tensor):
-            return sources[keys[name]][index]
         with safe_open(sources[keys[name]], "pt") as f:  # opened per tensor: its mapped pages go once it is read
             return f.get_slice(keys[name])[index]
 
@@ -429,7 +404,6 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
         for name in os.listdir(parent) if os.path.isdir(parent) else []:  # what a killed export left
             if re.fullmatch(rf"\.{re.escape(base)}\.\d+\.(tmp|old)", name):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        _write(new, os.makedirs)
     params, expected = dict(model.named_parameters()), _hf_shapes(cfg)
     dtype = params["transformer.wte.weight"].dtype
 
@@ -458,41 +432,34 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
         for filename, names in split.filename_to_tensors.items():
             tensors = {name: file_tensor(name) for name in names}
             if writer:
-                _write(os.path.join(new, filename), lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+                os.makedirs(new, exist_ok=True)
+                save_file(tensors, os.path.join(new, filename), metadata={"format": "pt"})
         if not writer:
             return
         for name, obj in files.items():
-            text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
-            _write(os.path.join(new, name), lambda path: pathlib.Path(path).write_text(text))
+            pathlib.Path(new, name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
         if extra_files is not None:
             extra_files(new)  # e.g. the tokenizer's files, inside the same swap
         for name in os.listdir(new):
             os.chmod(os.path.join(new, name), 0o644)  # safetensors creates 0600 files
-            _write(os.path.join(new, name), _fsync)
-        _write(new, _fsync)
-        # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); where it cannot (other systems, some network file
-        # systems) the old one is renamed aside first, leaving no `directory` for the microseconds between the renames
+            _fsync(os.path.join(new, name))
+        _fsync(new)
+        # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); elsewhere the old one is first renamed aside
         renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
         exchanged = os.path.exists(directory) and renameat2 is not None and \
             renameat2(-100, os.fsencode(new), -100, os.fsencode(directory), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
         if not exchanged:
             if os.path.exists(directory):
-                _write(directory, lambda path: os.rename(path, old))
-            _write(directory, lambda path: os.rename(new, path))
-        _write(parent, _fsync)
+                os.rename(directory, old)
+            os.rename(new, directory)
+        _fsync(parent)
         shutil.rmtree(new if exchanged else old, ignore_errors=True)  # the old directory
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(new, ignore_errors=True)  # frees the space at once
-        raise
-
-
-def _write(path, write):
-    """write(path); a failure (full disk, read-only directory) is one OSError line naming `path`."""
-    try:
-        write(path)
-    except (OSError, RuntimeError, SafetensorError) as e:
-        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise OSError(f"cannot write {path}: {reason}") from None
+        if isinstance(e, SafetensorError) or getattr(e, "strerror", None):  # a full disk, a read-only directory
+            reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise OSError(f"cannot write {directory}: {reason}") from None
+        raise  # extra_files' own one-line errors among them
 
 
 def _fsync(path):
@@ -521,16 +488,14 @@ def complete_checkpoints(ckpt_root):
 
 
 def read_train_state(ckpt_path):
-    with open(os.path.join(ckpt_path, "train_state.json"), encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(pathlib.Path(ckpt_path, "train_state.json").read_text(encoding="utf-8"))
 
 
 def check_checkpoint(path):
     """None if each file of checkpoint `path` has its written size and train_state.json reads, else why not."""
     name = os.path.join(path, MARKER)
     try:
-        with open(name, encoding="utf-8") as f:
-            sizes = json.load(f)["sizes"]
+        sizes = json.loads(pathlib.Path(name).read_text(encoding="utf-8"))["sizes"]
         for file, size in sizes.items():  # every file of the checkpoint, the shards included
             name = os.path.join(path, file)
             if (actual := os.path.getsize(name)) != size:

@@ -4,8 +4,8 @@
     model_distributed_worker.py ROOT init HF_DIR EDGE             init_sharded against manual_seed + init_weights
     model_distributed_worker.py ROOT checks HF_DIR EDGE OUT       loading, init, export and errors against the oracles
 
-EDGE holds a tiny model whose shards are uneven, empty or all padding, as safetensors/, bin/ (pytorch_model.bin),
-untied/ (lm_head differs from wte) and bin-broken/. Rank 0 prints one line `RESULT <json>` per finding."""
+EDGE holds a tiny model whose shards are uneven, empty or all padding (safetensors/), untied/ (lm_head differs from
+wte) and broken/ (an unreadable model.safetensors). Rank 0 prints one line `RESULT <json>` per finding."""
 import dataclasses
 import datetime
 import gc
@@ -108,7 +108,7 @@ def check_init(directories):
 
 def check_load(hf_dir, edge, out):
     """The sharded load, gathered by torch, against GPT.from_pretrained; our logits for the test to hold against
-    transformers'; the pickle path; export to one file and to shards, read back into shards."""
+    transformers'; export to one file and to shards, read back into shards."""
     for directory in (hf_dir, os.path.join(edge, "safetensors")):
         config = config_of(directory)
         model = sharded_model(config)
@@ -118,9 +118,6 @@ def check_load(hf_dir, edge, out):
             reference = from_pretrained(directory, padded_vocab_size=config.padded_vocab_size).state_dict()
             report(check="load", vocab=config.vocab_size, equal=state.keys() == reference.keys() and
                    all(torch.equal(state[k], reference[k]) for k in state))
-    pickled = sharded_model(config)  # each rank reads its rows of the memory-mapped pickle, as of safetensors
-    load_hf_sharded(pickled, os.path.join(edge, "bin"))
-    report(check="load-bin", equal=same_shards(pickled, model))
 
     model = sharded_model(config_of(hf_dir))
     load_hf_sharded(model, hf_dir)
@@ -141,7 +138,7 @@ def check_load(hf_dir, edge, out):
 
 def check_errors(edge):
     """A bad file fails on every rank with the same message: no rank is left waiting for another."""
-    for case in ("untied", "bin-broken"):
+    for case in ("untied", "broken"):
         try:
             load_hf_sharded(sharded_model(config_of(os.path.join(edge, "safetensors"))), os.path.join(edge, case))
             message = None

@@ -124,13 +124,14 @@ def test_hub_style_file_without_prefix_and_with_mask_buffers(tmp_path):
     assert_matches_hf(from_pretrained(str(path)).eval(), hf)
 
 
-def test_pytorch_model_bin(tmp_path):
+def test_a_pytorch_model_bin_alone_is_refused_with_the_way_out(tmp_path):
     hf = random_hf_model(seed=3)
     path = tmp_path / "bin"
     path.mkdir()
-    torch.save(hf.state_dict(), path / "pytorch_model.bin")  # with lm_head.weight, as old checkpoints have it
+    torch.save(hf.state_dict(), path / "pytorch_model.bin")
     hf.config.to_json_file(path / "config.json")
-    assert_matches_hf(from_pretrained(str(path)).eval(), hf)
+    with pytest.raises(FileNotFoundError, match=r"bin: no weights .*convert a pytorch_model\.bin to safetensors"):
+        from_pretrained(str(path))
 
 
 def test_sharded_safetensors(tmp_path):
@@ -375,9 +376,9 @@ def test_hub_id_from_offline_cache(tmp_path, tiny_hf_dir):
     assert (torch.load(tmp_path / "logits.pt") - expected).abs().max().item() < TOL
 
 
-def test_hub_downloads_safetensors_or_else_pytorch_model_bin(tmp_path, monkeypatch, tiny_hf_dir):
+def test_hub_downloads_safetensors_and_never_the_pickle(tmp_path, monkeypatch, tiny_hf_dir):
     """Against a stand-in for the online hub that serves what allow_patterns asks for: a repo with both formats
-    costs one safetensors download (no pickle), an old repo with only pytorch_model.bin still loads."""
+    costs one safetensors download (no pickle); an old repo with only pytorch_model.bin is refused."""
     import fnmatch
 
     import huggingface_hub
@@ -406,8 +407,9 @@ def test_hub_downloads_safetensors_or_else_pytorch_model_bin(tmp_path, monkeypat
         return str(snapshot)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    assert_matches_hf(from_pretrained("someorg/old-gpt2").eval(), hf)
-    assert sorted(downloaded) == ["config.json", "pytorch_model.bin"]
+    with pytest.raises(FileNotFoundError, match=r"old-gpt2: no weights .*convert a pytorch_model\.bin"):
+        from_pretrained("someorg/old-gpt2")
+    assert downloaded == ["config.json"]
     downloaded.clear()
     assert_matches_hf(from_pretrained("someorg/both-gpt2").eval(), tiny_hf_dir[1])
     assert sorted(downloaded) == ["config.json", "model.safetensors"]
@@ -445,11 +447,11 @@ def broken_copy(tmp_path, source, edit_config=None, edit_tensors=None, drop=()):
     (dict(edit_config=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])),
      ValueError, r"config\.json: not a GPT-2 config \(model_type 'llama'\)"),
     (dict(edit_config=lambda c: c.update(activation_function="relu")),
-     ValueError, r"config\.json: unsupported GPT-2 variant: activation_function 'relu'"),
+     ValueError, r"config\.json: unsupported GPT-2 variant: activation_function 'relu', not 'gelu_new' or "),
     (dict(edit_config=lambda c: c.update(n_inner=100)),
-     ValueError, r"config\.json: unsupported GPT-2 variant: n_inner 100"),
+     ValueError, r"config\.json: unsupported GPT-2 variant: n_inner 100, not None or 128"),
     (dict(edit_config=lambda c: c.update(scale_attn_by_inverse_layer_idx=True)),
-     ValueError, r"config\.json: unsupported GPT-2 variant: a non-standard attention scaling"),
+     ValueError, r"config\.json: unsupported GPT-2 variant: scale_attn_by_inverse_layer_idx True, not False"),
     (dict(edit_config=lambda c: c.update(n_head=3)),
      ValueError, r"config\.json: n_embd=32 is not divisible by n_head=3"),
     (dict(edit_config=lambda c: c.update(vocab_size=101)),

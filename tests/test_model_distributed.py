@@ -35,21 +35,17 @@ def write_fixture(path, **config):
 
 def write_edge_fixture(edge):
     """A model whose FSDP2 shards on 2 ranks are uneven (9-wide vectors, 27-row c_attn), empty (wpe has 1 row) or
-    all padding (rank 1's wte rows 32:64 are past vocab 30): the same weights as safetensors and as a pickle, plus
-    an untied lm_head and a broken pickle."""
-    hf = write_fixture(edge / "safetensors", n_layer=1, n_head=3, n_embd=9, vocab_size=30, n_positions=1)
-    (edge / "bin").mkdir()
-    torch.save(hf.state_dict(), edge / "bin" / "pytorch_model.bin")
-    hf.config.to_json_file(edge / "bin" / "config.json")
+    all padding (rank 1's wte rows 32:64 are past vocab 30), plus an untied lm_head and an unreadable file."""
+    write_fixture(edge / "safetensors", n_layer=1, n_head=3, n_embd=9, vocab_size=30, n_positions=1)
     (edge / "untied").mkdir()
     tensors = load_file(edge / "safetensors" / "model.safetensors")
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
     tensors["lm_head.weight"][3, 0] += 1  # a row rank 0 holds; rank 1 must fail as well
     save_file(tensors, edge / "untied" / "model.safetensors")
-    (edge / "bin-broken").mkdir()
-    (edge / "bin-broken" / "pytorch_model.bin").write_bytes(b"not a pickle")
-    for case in ("untied", "bin-broken"):
-        (edge / case / "config.json").write_bytes((edge / "bin" / "config.json").read_bytes())
+    (edge / "broken").mkdir()
+    (edge / "broken" / "model.safetensors").write_bytes(b"not safetensors")
+    for case in ("untied", "broken"):
+        (edge / case / "config.json").write_bytes((edge / "safetensors" / "config.json").read_bytes())
 
 
 def torchrun(nproc, *args):
@@ -93,10 +89,6 @@ def test_sharded_load_equals_the_full_load_and_transformers(launches):
     with torch.no_grad():
         expected = hf(ours["tokens"]).logits
     assert (ours["logits"] - expected).abs().max().item() < 1e-5
-
-
-def test_pytorch_model_bin_loads_sharded(launches):
-    assert {"check": "load-bin", "equal": True} in launches[2]["checks"]
 
 
 def init_results(ranks):
@@ -156,7 +148,7 @@ def test_export_loads_in_transformers_single_and_sharded(launches):
 def test_errors_reach_every_rank_alike(launches):
     errors = {r["case"]: r["messages"] for r in launches[2]["checks"] if r.get("check") == "error"}
     for case, expected in (("untied", "lm_head.weight differs from wte.weight"),
-                           ("bin-broken", "pytorch_model.bin: not a readable weights file")):
+                           ("broken", "model.safetensors: not a readable weights file")):
         assert len(set(errors[case])) == 1 and expected in errors[case][0] and case in errors[case][0], errors
 
 
