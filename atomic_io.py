@@ -13,11 +13,6 @@ class WriteError(OSError):
         return f"cannot write {self.filename}: {self.strerror}"
 
 
-def _write_error(path, error):
-    reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    return WriteError(getattr(error, "errno", None), reason, str(path))
-
-
 def fsync_dir(path):
     """Make a rename or a new entry in directory `path` durable (a no-op where directories cannot be opened)."""
     with contextlib.suppress(OSError):
@@ -29,7 +24,7 @@ def fsync_dir(path):
 
 
 @contextlib.contextmanager
-def _publishing(path):
+def _publishing(path, errors=OSError):
     """Yield a temporary name; when the block succeeds fsync it, rename it over `path` and fsync the directory."""
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # per process: ranks or workers never share it
@@ -40,8 +35,9 @@ def _publishing(path):
         os.replace(tmp, path)
     except WriteError:  # a nested publish (prepare_fineweb's .idx inside its .bin) names its own file
         raise
-    except OSError as e:
-        raise _write_error(path, e) from e
+    except errors as e:  # the last line of a writer's message (safetensors' is several) if it has no strerror
+        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise WriteError(getattr(e, "errno", None), reason, str(path)) from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -57,11 +53,9 @@ def atomic_write(path, mode="wb", **open_kwargs):
 
 def atomic_save(path, save):
     """Publish what `save(tmp_path)` writes (safetensors, matplotlib) as `path`, like atomic_write."""
-    with _publishing(path) as tmp:
-        try:
-            save(tmp)
-        except (RuntimeError, SafetensorError) as e:  # a full disk: torch's zip writer ("unexpected pos"), safetensors
-            raise _write_error(path, e) from e
+    # a full disk fails in torch's zip writer as a RuntimeError ("unexpected pos"), in safetensors as its own error
+    with _publishing(path, (OSError, RuntimeError, SafetensorError)) as tmp:
+        save(tmp)
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o666 & ~mask)  # some writers (safetensors) create 0600 files; publish as open() would
