@@ -47,17 +47,13 @@ def main(argv=None):
         parser.error("--num-samples and --max-new-tokens must be at least 1, --top-k at least 0")
     if not 0 <= args.temperature < math.inf:  # nan fails both comparisons
         parser.error(f"--temperature must be >= 0 and finite, got {args.temperature}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        parser.error(f"--device {args.device}: not a device; use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():  # said before a long model load
         parser.error(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu")
     try:
         model = load_model(args.model).to(args.device)
         texts = sample_texts(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, device=args.device)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: torch's word on a --device it does not know
         sys.exit(f"sample.py: error: {e}")
     for i, text in enumerate(texts):
         print(f"--- sample {i + 1}/{len(texts)} ---\n{text}")
