@@ -48,10 +48,7 @@ def extreme(points, best):
 
 def plot(runs, out_path, loss_max=None, references=()):
     """[(label, streams), ...] into out_path (png, svg, ... by extension); references (--eval_only runs) as lines."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ImportError("plot_log.py needs matplotlib: pip install matplotlib (training does not)") from None
+    from matplotlib.figure import Figure  # here: parse_log's callers need no matplotlib
     fig = Figure(figsize=(16, 6))
     fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
     if fmt not in (supported := fig.canvas.get_supported_filetypes()):
@@ -100,7 +97,7 @@ def main(argv=None):
         runs = [(label, parse_log(path)) for label, path in zip(labels, args.logs)]
         references = [(os.path.basename(os.path.abspath(path)), parse_log(path)) for path in args.reference]
         plot(runs, args.output, loss_max=args.loss_max, references=references)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError) as e:
         sys.exit(f"plot_log.py: error: {e}")
     except OSError as e:  # -o under a file, in a read-only directory, on a full disk
         sys.exit(f"plot_log.py: error: -o {args.output}: " + (f"{e.filename}: {e.strerror}" if e.filename else str(e)))
