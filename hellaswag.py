@@ -22,11 +22,11 @@ from model import load_model
 from tokenizer import VOCAB_SIZE, gpt2_encoding
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hellaswag")  # unless $HELLASWAG_CACHE names another
 Rendered = namedtuple("Rendered", "context endings label")  # one example as tokens; endings with their leading space
-
-
-def cache_dir():
-    return os.environ.get("HELLASWAG_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hellaswag")
+FIELDS = {"ctx": ("a string", lambda v: type(v) is str),  # what an example holds: json.loads makes exact types
+          "endings": ("a list of 4 strings", lambda v: type(v) is list and [type(e) for e in v] == [str] * 4),
+          "label": ("an integer 0-3", lambda v: type(v) is int and 0 <= v <= 3)}
 
 
 def read_jsonl(path, text=None):
@@ -47,13 +47,9 @@ def read_jsonl(path, text=None):
             raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(example, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(example).__name__}")
-        if not isinstance(example.get("ctx"), str):
-            raise ValueError(f"{where}: 'ctx' must be a string")
-        endings, label = example.get("endings"), example.get("label")
-        if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
-            raise ValueError(f"{where}: 'endings' must be a list of 4 strings")
-        if type(label) is not int or not 0 <= label <= 3:
-            raise ValueError(f"{where}: 'label' must be an integer 0-3, got {label!r}")
+        for field, (rule, valid) in FIELDS.items():
+            if not valid(value := example.get(field)):
+                raise ValueError(f"{where}: {field!r} must be {rule}, got {value!r:.60}")
         examples.append(example)
     if not examples:
         raise ValueError(f"{path}: no HellaSwag examples in the file")
@@ -62,10 +58,10 @@ def read_jsonl(path, text=None):
 
 def load_examples(path=None):
     """The examples of a local HellaSwag jsonl file, or (path None) of the validation set, downloaded once, cached."""
-    cached = os.path.join(cache_dir(), "hellaswag_val.jsonl")
+    cached = os.path.join(os.environ.get("HELLASWAG_CACHE") or CACHE_DIR, "hellaswag_val.jsonl")
     if path is not None or os.path.isfile(cached):
         return read_jsonl(cached if path is None else path)
-    os.makedirs(cache_dir(), exist_ok=True)
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
     try:
         with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as response:
             data = response.read()  # a body cut short of its Content-Length raises IncompleteRead

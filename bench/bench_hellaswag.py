@@ -79,7 +79,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cached = os.path.join(hellaswag.cache_dir(), "hellaswag_val.jsonl")
+    cached = os.path.join(os.environ.get("HELLASWAG_CACHE") or hellaswag.CACHE_DIR, "hellaswag_val.jsonl")
     path = args.data or (cached if os.path.isfile(cached) else os.path.join(ROOT, "tests", "fixtures",
                                                                            "hellaswag_small.jsonl"))
     examples = list(itertools.islice(itertools.cycle(hellaswag.load_examples(path)), args.num_examples))
