@@ -33,8 +33,7 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
         actual = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
         if actual != expected:
             raise ValueError(f"{path}: sha256 {actual} is not the GPT-2 BPE file's {expected}; the file is corrupt")
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=os.path.join(bpe_dir, "vocab.bpe"), encoder_json_file=os.path.join(bpe_dir, "encoder.json"))
+    ranks = data_gym_to_mergeable_bpe_ranks(*(os.path.join(bpe_dir, name) for name in SHA256))  # vocab.bpe first
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: EOT_ID},
                              explicit_n_vocab=VOCAB_SIZE)
 
