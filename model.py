@@ -1,5 +1,4 @@
-"""GPT-2 (Hugging Face's GPT2LMHeadModel) to read and train; HF GPT-2 directories in and out, whole or per FSDP2 shard;
-`load_model` for a hub id, an HF directory, or a train_gpt2.py run or checkpoint. It needs no other project file."""
+"""GPT-2 as GPT2LMHeadModel computes it; HF files in and out (per FSDP2 shard too); train_gpt2.py checkpoints read."""
 import ctypes
 import dataclasses
 import functools
@@ -86,8 +85,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-# Rows of logits the loss head holds at once: on an H100 each chunk's fp32 grad_weight update costs ~400/R of the
-# head's GEMM time (5% at 8192 rows); on a CPU 512 rows cost little and keep the fp32 chunk at 103 MB.
+# Rows of logits the loss head holds at once; each chunk's fp32 grad_weight update costs ~400/R of its GEMM time
 LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=512)
 
 
@@ -194,9 +192,7 @@ class GPT(nn.Module):
         """Parameters as transformers counts them (real vocabulary rows); non_embedding=True leaves out wpe."""
         n = sum(p.numel() for p in self.parameters())
         n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len=None):
         """llm.c's count (gpt2_estimate_mfu): 6*N, every parameter once, + 6*L*C*T; 0.80e9 for GPT-2 124M, T=1024."""
@@ -391,8 +387,7 @@ def _hf_shapes(config):
 
 @torch.no_grad()
 def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
-    """Write `model` (plain, compiled or FSDP2; a collective, rank 0 writes) as GPT2LMHeadModel.save_pretrained does,
-    into a new directory that extra_files(new) may add to and that then replaces `directory` whole."""
+    """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped in whole."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
     cfg, writer = model.config, not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
@@ -472,8 +467,7 @@ def _fsync(path):
 
 # ----------------------------------------------------------------------------- train_gpt2.py's checkpoints, read
 
-# out_dir/ckpt/step_NNNNNNNN/ holds DCP files of model and optimizer, train_state.json and rng.pt; it is complete once
-# MARKER is in it, which train_gpt2.py writes last ({"sizes": each file's size}), after fsyncing every other file.
+# out_dir/ckpt/step_NNNNNNNN/ (DCP files, train_state.json, rng.pt) is complete once train_gpt2.py wrote MARKER last
 MARKER = "complete.json"
 
 # a checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole
@@ -495,8 +489,7 @@ def check_checkpoint(path):
     """None if each file of checkpoint `path` has its written size and train_state.json reads, else why not."""
     name = os.path.join(path, MARKER)
     try:
-        sizes = json.loads(pathlib.Path(name).read_text(encoding="utf-8"))["sizes"]
-        for file, size in sizes.items():  # every file of the checkpoint, the shards included
+        for file, size in json.loads(pathlib.Path(name).read_text())["sizes"].items():  # the shards included
             name = os.path.join(path, file)
             if (actual := os.path.getsize(name)) != size:
                 return f"{name}: {'truncated' if actual < size else 'changed'} ({actual} bytes, {size} when written)"
