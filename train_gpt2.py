@@ -2,13 +2,11 @@
 Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU process or many GPUs and nodes.
 
     python train_gpt2.py configs/demo_cpu.py                                    # one process (CPU or one GPU)
-    torchrun --standalone --nproc_per_node 8 train_gpt2.py configs/gpt2_124m.py  # one node, 8 GPUs
-    torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 train_gpt2.py CONFIG.py
+    torchrun --standalone --nproc_per_node 8 train_gpt2.py configs/gpt2_124m.py  # 8 GPUs, FSDP2 (--nnodes for more)
     python train_gpt2.py configs/gpt2_124m.py --max_steps=100 --compile=False   # --key=value overrides the config
 
-Under torchrun the model is sharded with FSDP2. out_dir gets train_config.json, main.log (llm.c's format),
-metrics.jsonl, ckpt/step_NNNNNNNN/ (torch.distributed.checkpoint) and, at the end, hf/ (Hugging Face GPT-2). Rerun the
-same command to resume, on any number of ranks. README.md tells the rest.
+out_dir gets train_config.json, main.log (llm.c's format), metrics.jsonl, ckpt/step_NNNNNNNN/ (torch.distributed.
+checkpoint) and, at the end, hf/ (Hugging Face GPT-2). Rerun the command to resume, on any number of ranks.
 """
 import ast
 import dataclasses
@@ -123,8 +121,8 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 # config
 
 def parse_config(config_class, argv):
-    """`config_class` from config files (Python, top-level assignments; or the seed recipe's YAML) and --key=value
-    overrides, in order, as nanoGPT's configurator.py; a wrong key or type raises ValueError naming it."""
+    """`config_class` from config files (.py assignments or the recipe's YAML) and --key=value overrides, in order, as
+    nanoGPT's configurator.py; a wrong key or type raises ValueError naming it."""
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
 
@@ -255,15 +253,10 @@ def automodel_yaml(path):
         ours["wandb_log"] = True
     if ours.get("max_steps") == -1:
         ours["max_steps"] = None
-    if is_master_env():
+    if int(os.environ.get("RANK", 0)) == 0:  # before the process group exists
         print(f"{path}: AutoModel recipe read as " + " ".join(f"--{k}={v!r}" for k, v in ours.items())
               + f"; same behaviour here, nothing to map: {', '.join(same)}")
     return ours
-
-
-def is_master_env():
-    """Rank 0 (or no torchrun), before the process group exists."""
-    return int(os.environ.get("RANK", 0)) == 0
 
 
 def config_help():
@@ -398,8 +391,8 @@ LOCKS = []  # this process's out_dir locks, released when main() returns
 
 
 def lock_out_dir(out_dir):
-    """An exclusive flock on out_dir/.lock for the run's life (the OS drops it when the process dies; works across
-    nodes on NFS, and on Lustre mounted with -o flock)."""
+    """An exclusive flock on out_dir/.lock for the run's life; the OS drops it when the process dies (NFS and Lustre
+    with -o flock: across nodes)."""
     path = os.path.join(out_dir, ".lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -460,8 +453,7 @@ def prepare_out_dir(cfg):
 # checkpoints (model.py reads them: complete_checkpoints, newest_usable_checkpoint, load_model)
 
 def last_good_checkpoint(ckpt_root):
-    """The sentence every stop for non-finite numbers ends with: where the run can be taken up again."""
-    kept = complete_checkpoints(ckpt_root)
+    kept = complete_checkpoints(ckpt_root)  # where a run stopped for non-finite numbers can be taken up again
     return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
 
 
@@ -497,8 +489,8 @@ def fsync_tree(path):
 
 
 def checkpoint_write_error(e, path):
-    """An OSError naming `path` for a failed checkpoint write, or None. DCP wraps each rank's exception; a full disk
-    surfaces as an OSError or as torch's zip writer's RuntimeError ("unexpected pos")."""
+    """An OSError naming `path` for a failed checkpoint write, or None: DCP wraps each rank's exception, and a full disk
+    is an OSError or torch's zip writer's RuntimeError ("unexpected pos")."""
     failures = [(f" on rank {rank}", failure[0] if isinstance(failure, tuple) else failure)
                 for rank, failure in sorted((getattr(e, "failures", None) or {}).items())]
     for where, cause in failures or [("", e)]:
@@ -515,7 +507,7 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
     assert_finite(model, f"checkpoint at step {train_state['step']}", ckpt_root)
     final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
-        return final  # this very state is already saved (a run resumed here and stopped at once)
+        return final  # already saved (a run resumed here and stopped at once)
     tmp, master = final + ".tmp", is_master()
     if master:
         if os.path.exists(final):
@@ -553,7 +545,7 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
 
 def load_checkpoint(ckpt_path, model, optimizer):
     """Load model, optimizer and RNG states (resharded onto this run's ranks); return train_state.json. When any rank
-    fails (DCP's load is collective) every rank moves on: the checkpoint is set aside, the next older one tried."""
+    fails, every rank sets the checkpoint aside and tries the next older one (DCP's load is collective)."""
     older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
     for path in [ckpt_path] + broadcast_object(older):
         error = None
@@ -580,8 +572,8 @@ def load_checkpoint(ckpt_path, model, optimizer):
             print(f"skipping checkpoint {path}: it failed to load ({error or 'on another rank'}); kept as "
                   f"{set_aside(path, 'damaged')}")
         barrier()
-    raise ValueError(f"{os.path.dirname(ckpt_path)}: no checkpoint could be loaded (damaged ones were renamed "
-                     f"*.damaged-*); start a fresh run in another out_dir")
+    raise ValueError(f"{os.path.dirname(ckpt_path)}: no checkpoint loads (damaged ones were renamed *.damaged-*); "
+                     "start a fresh run in another out_dir")
 
 
 # what decides which tokens a run sees and in what order (with the data itself and the train split's epochs)
@@ -742,9 +734,8 @@ def build_model(model_config, init, cfg, device):
 
 
 def memory_plan(model_config, cfg, world_size, device):
-    """(text, GiB) of what one rank will hold at its peak, with the keys to change when it will not fit. Activations:
-    ~34 x tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022, flash attention), only the block inputs
-    with activation checkpointing, double in fp32; the loss head's chunk: fp32 logits, exponentials and gradient."""
+    """(text, GiB) of what one rank will hold at its peak, and what to change when it will not fit. Activations: ~34 x
+    tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022), only block inputs when checkpointing."""
     with torch.device("meta"):
         model = GPT(model_config)
     n = sum(p.numel() for p in model.parameters())
@@ -855,9 +846,8 @@ def log_blend(paths, log):
 
 
 def host_batch(dataset, indices, vocab_size, pin):
-    """Samples `indices` of `dataset` stacked into (tokens, labels) LongTensors on the host, pinned for fast copies if
-    `pin`. A token id outside the vocabulary (bit rot in a .bin) is named here: on a GPU it would be a device-side
-    assert that ends every rank."""
+    """Samples `indices` stacked into (tokens, labels) on the host (pinned if `pin`); a token id outside the vocabulary
+    (bit rot in a .bin) is named here, where on a GPU it would be a device-side assert that ends every rank."""
     samples = [dataset[i] for i in indices]
     tokens, labels = np.stack([s["tokens"] for s in samples]), np.stack([s["labels"] for s in samples])
     top = np.maximum(tokens.max(axis=1), labels.max(axis=1))  # on the host: no device sync
@@ -867,11 +857,6 @@ def host_batch(dataset, indices, vocab_size, pin):
                          f"(vocab_size {vocab_size})")
     tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
-
-
-def to_device(batch, device):
-    # from pinned memory the copy does not wait: the stream orders it before the forward that reads it
-    return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
 class Prefetcher:
@@ -896,7 +881,8 @@ class Prefetcher:
         item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
-        return [to_device(batch, self.device) for batch in item]
+        # from pinned memory the copy does not wait: the stream orders it before the forward that reads it
+        return [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in item]
 
 
 @torch.no_grad()
@@ -913,7 +899,7 @@ def validation_loss(model, val_data, batch_size, device, autocast, vocab_size, s
             model.train()
             return None
         indices = mine[b * batch_size:(b + 1) * batch_size]
-        tokens, labels = to_device(host_batch(val_data, indices or [0], vocab_size, device.type == "cuda"), device)
+        tokens, labels = (t.to(device) for t in host_batch(val_data, indices or [0], vocab_size, False))
         with autocast:
             _, loss = model(tokens, labels)
         if indices:
@@ -1110,9 +1096,6 @@ class StepLog:
             end.synchronize()
         return host[2].item() > 0
 
-    def due(self, step):
-        return (step + 1) % self.cfg.log_every_steps == 0
-
     def flush(self, keep_last=True):
         """Log the pending steps (all but the newest when keep_last)."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_last else (self.pending, [])
@@ -1246,7 +1229,7 @@ def train(cfg, rank, world_size, device):
             done = step + 1
             checkpoint_due = done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0)
             stop_requested = step_log.stop_requested(stop)
-            if checkpoint_due or stop_requested or step_log.due(step):
+            if checkpoint_due or stop_requested or done % cfg.log_every_steps == 0:
                 # before a checkpoint every number is read, so a non-finite step is never saved
                 step_log.flush(keep_last=not (checkpoint_due or stop_requested))
             if checkpoint_due or stop_requested:
@@ -1289,7 +1272,7 @@ def cli(argv=None):
     try:
         cfg = load_config(argv)
     except (ValueError, OSError) as e:  # every rank reads the same config: rank 0 alone says what is wrong
-        sys.exit(f"train_gpt2.py: error: {e}" if is_master_env() else 1)
+        sys.exit(f"train_gpt2.py: error: {e}" if int(os.environ.get("RANK", 0)) == 0 else 1)
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         status = run(cfg)
