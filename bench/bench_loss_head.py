@@ -2,7 +2,8 @@
 weight, the padded columns masked) against nanoGPT's plain head (full fp32 logits over all 50304 rows, then
 F.cross_entropy), both eager and both under torch.compile. Each measurement is a fresh subprocess that runs the head
 once to warm up (and compile), then resets its peak resident memory and times a second run; the four kinds take turns
-round by round, and the median time and smallest peak of each are compared.
+round by round, and the median time and smallest peak of each are compared (and the median of the per-round time
+ratios, steadier on a shared machine).
 
     python bench/bench_loss_head.py                      # B=8, T=1024, vocab 50257 padded to 50304, n_embd 768
     python bench/bench_loss_head.py --rounds 5 --batch-size 4
@@ -89,7 +90,10 @@ def main():
               f"(median), loss {runs[0][2]:.6f}")
     for mode in ("eager", "compiled"):
         ours, theirs = summary[f"ours {mode}"], summary[f"nanoGPT {mode}"]
-        print(f"{mode:8s} ours/nanoGPT: peak memory {ours[0] / theirs[0]:.3f}x, time {ours[1] / theirs[1]:.2f}x")
+        # each round ran the two back to back: the median of their per-round ratios is the steadier figure
+        paired = statistics.median(a[1] / b[1] for a, b in zip(results[f"ours {mode}"], results[f"nanoGPT {mode}"]))
+        print(f"{mode:8s} ours/nanoGPT: peak memory {ours[0] / theirs[0]:.3f}x, time {ours[1] / theirs[1]:.2f}x "
+              f"(median of the per-round ratios {paired:.2f}x)")
 
 
 if __name__ == "__main__":
