@@ -24,7 +24,7 @@ def fsync_dir(path):
 
 
 @contextlib.contextmanager
-def _publishing(path, errors=OSError):
+def atomic_path(path, errors=OSError):
     """Yield a temporary name; when the block succeeds fsync it, rename it over `path` and fsync the directory."""
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")  # per process: ranks or workers never share it
@@ -47,14 +47,14 @@ def _publishing(path, errors=OSError):
 @contextlib.contextmanager
 def atomic_write(path, mode="wb", **open_kwargs):
     """`with atomic_write(path) as f: f.write(...)`: `path` appears, complete, only when the block succeeds."""
-    with _publishing(path) as tmp, open(tmp, mode, **open_kwargs) as f:
+    with atomic_path(path) as tmp, open(tmp, mode, **open_kwargs) as f:
         yield f
 
 
 def atomic_save(path, save):
     """Publish what `save(tmp_path)` writes (safetensors, matplotlib) as `path`, like atomic_write."""
     # a full disk fails in torch's zip writer as a RuntimeError ("unexpected pos"), in safetensors as its own error
-    with _publishing(path, (OSError, RuntimeError, SafetensorError)) as tmp:
+    with atomic_path(path, (OSError, RuntimeError, SafetensorError)) as tmp:
         save(tmp)
         mask = os.umask(0)
         os.umask(mask)
