@@ -18,6 +18,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -31,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic_io import WriteError, atomic_save, atomic_write
+from atomic_io import WriteError, atomic_path, atomic_write
 from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tokenizer import EOT_ID, SHA256, gpt2_encoding
 
@@ -41,7 +42,8 @@ OUTPUT_BYTES_PER_TOKEN = 2 + 20 / 670  # a uint16 token, and 20 .idx bytes a doc
 HUB_VAL_TOKENS = 100_000_000  # llm.c's and build-nanogpt's val shard: the first 100M tokens
 INPUT_SUFFIXES = (".parquet", ".jsonl", ".jsonl.gz", ".txt")
 CHUNK_BYTES = 1 << 20  # text per task: pickling it is noise next to ~0.2 s of tokenizing; 2 in flight, little RAM
-BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+# a text input's task ends after its block's last line (JSONL) or last blank line (text), so documents stay whole
+CUT = {"jsonl": re.compile(rb"(?s:.*\n)?"), "txt": re.compile(rb"(?s:.*\n[ \t\r\f\v]*\n)?")}
 TEXT_DOCUMENT = re.compile(rb"(?:^[^\S\n]*\S[^\n]*\n?)+", re.MULTILINE)  # a run of lines that are not blank
 OUTPUT_FILE = re.compile(r"((?:processed_data_\d+|val)_text_document)\.(?:bin|idx)")  # group 1: the prefix
 OUR_FILE = re.compile(rf"{OUTPUT_FILE.pattern}|summary\.json")
@@ -57,13 +59,11 @@ def output_prefix(output_dir, index):
 def download(dataset, sample, data_dir):
     """The parquet files of `sample/{sample}` of the dataset, fetched into the hub cache `data_dir`; sorted paths."""
     repo_id, pattern = DATASETS[dataset], f"sample/{sample}/*.parquet"
-    try:
+    with reraised(data_dir, f"no complete copy of {repo_id} {pattern} in this hub cache, and the hub cannot be reached",
+                  FileNotFoundError):  # huggingface_hub's LocalEntryNotFoundError: offline and not (fully) cached
         snapshot = huggingface_hub.snapshot_download(repo_id, repo_type="dataset", allow_patterns=pattern,
                                                      cache_dir=data_dir)
-    except FileNotFoundError as e:  # huggingface_hub's LocalEntryNotFoundError: offline and not (fully) cached
-        raise FileNotFoundError(f"{data_dir}: no complete copy of {repo_id} {pattern} in this hub cache, and the hub "
-                                f"cannot be reached ({e})") from e
-    if not (files := sorted(glob.glob(os.path.join(snapshot, "sample", sample, "*.parquet")))):
+    if not (files := sorted(glob.glob(os.path.join(snapshot, pattern)))):
         raise FileNotFoundError(f"{snapshot}: no files match {pattern}")
     return files
 
@@ -140,51 +140,46 @@ def reraised(where, what, *errors):
 
 
 def open_parquet(path, text_key):
-    # with pre_buffer, iter_batches fetches every row group's column chunk ahead: the whole file in memory
     with reraised(path, "not a readable parquet file", pa.ArrowException, OSError):
-        parquet = pq.ParquetFile(path, pre_buffer=False)
-    names = parquet.schema_arrow.names
-    kind = parquet.schema_arrow.field(text_key).type if text_key in names else None
-    if kind not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
-        raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text" if kind is not None else
-                         f"{path}: no column {text_key!r} (columns: {', '.join(names)}); choose one with --text-key")
+        parquet = pq.ParquetFile(path, pre_buffer=False)  # pre_buffer: iter_batches would read the whole file ahead
+    if text_key not in (names := parquet.schema_arrow.names):
+        raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}); choose one with --text-key")
+    if (kind := parquet.schema_arrow.field(text_key).type) not in ("string", "large_string", "binary", "large_binary"):
+        raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text")
     return parquet
 
 
 def read_tasks(path, text_key, chunk_bytes):
-    """Yield (task, byte position reached) for each task of one input: about chunk_bytes of text, in whole documents."""
+    """Yield (task, byte position reached) for tasks of about chunk_bytes of whole documents, then (None, file size)."""
     if path.endswith(".parquet"):
         parquet = open_parquet(path, text_key)
         metadata, size = parquet.metadata, os.path.getsize(path)
         leaf = [column.path for column in metadata.schema].index(text_key)
         rows, total_rows = 0, max(metadata.num_rows, 1)  # progress: the share of rows read
-        with contextlib.closing(parquet), reraised(path, "unreadable parquet data", pa.ArrowException):
+        with parquet, reraised(path, "unreadable parquet data", pa.ArrowException):
             for group in range(metadata.num_row_groups):
                 group_rows = metadata.row_group(group).num_rows
                 text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
-                if text_bytes <= 16 * chunk_bytes:  # a task: the row group, for a worker to read
-                    rows += group_rows
-                    yield (path, "row_group", text_key, 0, group), size * rows // total_rows
-                    continue
-                batch_rows = max(1, group_rows * chunk_bytes // text_bytes)  # too big: read here, ~chunk_bytes a task
-                for batch in parquet.iter_batches(batch_rows, row_groups=[group], columns=[text_key]):
-                    rows += batch.num_rows
-                    yield (path, "texts", text_key, 0, batch.column(0)), size * rows // total_rows
-        return
-    kind = "txt" if path.endswith(".txt") else "jsonl"
-    with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
-        stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-        rest, first_line = b"", 1
-        # reading at least as much as is left over keeps a giant line from being copied over and over
-        while block := stream.read(max(chunk_bytes, len(rest))):
-            block = rest + block
-            # cut after the last line, or for text after the last blank line: documents stay whole in one task
-            ends = [block.rfind(b"\n") + 1] if kind == "jsonl" else [m.end() for m in BLANK_LINE.finditer(block)]
-            if end := max(ends, default=0):
-                yield (path, kind, text_key, first_line, block[:end]), raw.tell()
-                first_line += block.count(b"\n", 0, end)
-            rest = block[end:]
-        yield (path, kind, text_key, first_line, rest), raw.tell()
+                # a row group of up to 16 chunks is a task, for a worker to read; a bigger one is read here in batches
+                payloads = [group] if text_bytes <= 16 * chunk_bytes else (batch.column(0) for batch in (
+                    parquet.iter_batches(max(1, group_rows * chunk_bytes // text_bytes), [group], [text_key])))
+                for payload in payloads:
+                    rows += group_rows if isinstance(payload, int) else len(payload)
+                    yield (path, "parquet", text_key, 0, payload), size * rows // total_rows
+    else:
+        kind = "txt" if path.endswith(".txt") else "jsonl"
+        with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
+            stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            rest, first_line = b"", 1
+            # reading at least as much as is left over keeps a giant line from being copied over and over
+            while block := stream.read(max(chunk_bytes, len(rest))):
+                block = rest + block
+                if end := CUT[kind].match(block).end():
+                    yield (path, kind, text_key, first_line, block[:end]), raw.tell()
+                    first_line += block.count(b"\n", 0, end)
+                rest = block[end:]
+            yield (path, kind, text_key, first_line, rest), raw.tell()
+    yield None, os.path.getsize(path)
 
 
 parquet_file = functools.lru_cache(maxsize=1)(functools.partial(pq.ParquetFile, pre_buffer=False))  # kept open
@@ -193,7 +188,7 @@ parquet_file = functools.lru_cache(maxsize=1)(functools.partial(pq.ParquetFile, 
 def encode_task(task):
     """Tokenize one task in a worker: (uint16 tokens with EOT after each document, int64 document lengths, counts)."""
     path, kind, text_key, first_line, payload = task
-    if kind == "row_group":
+    if isinstance(payload, int):  # a row group's number
         with reraised(path, f"unreadable parquet data in row group {payload}", pa.ArrowException):
             payload = parquet_file(path).read_row_group(payload, columns=[text_key]).column(0)
     if kind == "jsonl":
@@ -202,30 +197,26 @@ def encode_task(task):
         raws = [document.rstrip(b"\r\n") for document in TEXT_DOCUMENT.findall(payload)]
     else:  # parquet texts as bytes, so that invalid UTF-8 is replaced and counted as in the other kinds
         raws = payload.cast(pa.large_binary()).fill_null(b"").to_pylist()
-    encoding, pieces, lengths = gpt2_encoding(), [], []
+    encoding, pieces, lengths = gpt2_encoding(), [np.empty(0, np.uint32)], []  # np.concatenate needs one array
     counts = collections.Counter(empty_skipped=0, invalid_utf8=0)
-    for number, text in enumerate(raws, first_line):  # number: of the line, in a JSONL file
-        if kind == "jsonl" and not text.strip():  # blank lines between records are not records
+    for number, raw in enumerate(raws, first_line):  # number: of the line, in a JSONL file
+        if kind == "jsonl" and not raw.strip():  # blank lines between records are not records
             continue
-        try:  # invalid UTF-8 becomes U+FFFD instead of stopping the run
-            text, invalid = text.decode(), False
-        except UnicodeDecodeError:
-            text, invalid = text.decode(errors="replace"), True
+        text = raw.decode(errors="replace")  # invalid UTF-8 becomes U+FFFD instead of stopping the run
+        invalid = "\ufffd" in text and text.encode() != raw
         if kind == "jsonl":
             where = f"{path}, line {number}"
             with reraised(where, "not valid JSON", ValueError):
                 record = json.loads(text)
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object")
-            if text_key not in record:
-                raise ValueError(f"{where}: no key {text_key!r} (keys: {', '.join(record)}); pick one with --text-key")
+            if not isinstance(record, dict) or text_key not in record:
+                found = f"keys: {', '.join(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+                raise ValueError(f"{where}: no key {text_key!r} ({found}); pick one with --text-key")
             if (text := record[text_key]) is not None and not isinstance(text, str):
                 raise ValueError(f"{where}: the {text_key!r} value is {type(text).__name__}, not a string")
         if not text:
             counts["empty_skipped"] += 1
             continue
-        # encode_to_numpy with no special token allowed or disallowed is encode_ordinary without a Python list
-        try:
+        try:  # encode_to_numpy, no special token allowed or disallowed: encode_ordinary without a Python list
             tokens = encoding.encode_to_numpy(text, disallowed_special=())
         except UnicodeEncodeError:  # lone surrogates (a JSON "\ud800"): replaced, as encode_ordinary does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
@@ -233,19 +224,14 @@ def encode_task(task):
         counts["invalid_utf8"] += invalid
         pieces += (tokens, EOT_ARRAY)
         lengths.append(len(tokens) + 1)
-    tokens = np.concatenate(pieces).astype(np.uint16) if pieces else np.empty(0, np.uint16)
-    return tokens, np.array(lengths, dtype=np.int64), counts
+    return np.concatenate(pieces).astype(np.uint16), np.array(lengths, dtype=np.int64), counts
 
 
-def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar):
-    """Yield (index, tokens) for every document of the inputs numbered `todo` in order, and (index, None) after each."""
-    def submit():  # (index, position reached, the task's result or None at the end of the input)
-        for index in todo:
-            for task, position in read_tasks(inputs[index], text_key, chunk_bytes):
-                yield index, position, pool.apply_async(encode_task, (task,))
-            yield index, os.path.getsize(inputs[index]), None
-
-    submitted = submit()  # 2 tasks per worker in flight: Pool.imap reads all ahead (a 100 GB input in RAM)
+def document_stream(pool, todo, text_key, chunk_bytes, workers, counts, bar):
+    """Yield (index, tokens) for each document of the inputs `todo` {index: path} in order, (index, None) after each."""
+    # (index, position, the task's result or None at the input's end); 2 tasks a worker in flight: imap reads all ahead
+    submitted = ((index, position, task and pool.apply_async(encode_task, (task,)))
+                 for index, path in todo.items() for task, position in read_tasks(path, text_key, chunk_bytes))
     pending, documents, tokens, file_position = collections.deque(itertools.islice(submitted, 2 * workers)), 0, 0, 0
     while pending:
         index, position, result = pending.popleft()
@@ -263,26 +249,23 @@ def document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, 
         yield from ((index, document) for document in np.split(task_tokens, np.cumsum(lengths)[:-1]) if len(document))
 
 
-def val_documents(stream, val_tokens, ended):
-    """The first documents of `stream` until they hold val_tokens tokens; `ended` gets the inputs used up on the way."""
+def val_documents(stream, val_tokens, seen):
+    """The first documents of `stream` until they hold val_tokens tokens; `seen` gets the input of each item taken."""
     tokens = 0
     for index, document in stream:
-        if document is None:
-            ended.append(index)
-            continue
-        yield document
-        tokens += len(document)
-        if tokens >= val_tokens:
-            return
+        seen.append(index)
+        if document is not None:
+            yield document
+            if (tokens := tokens + len(document)) >= val_tokens:
+                return
 
 
 def kept_outputs(inputs, output_dir, options):
     """Each output's fingerprint, and (val entry or None, {index: entry}, summary) of an earlier run that still hold."""
     # a fingerprint hashes the options and the output's input; with a val split inputs 0 to its own (they set its share)
-    start = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
-    digest, fingerprints = start.copy(), []
+    start, fingerprints = hashlib.sha256(json.dumps(options, sort_keys=True).encode()), []
     for path in inputs:
-        digest = digest if options["val_tokens"] else start.copy()
+        digest = (digest if options["val_tokens"] and fingerprints else start).copy()
         # size, mtime and the first and last MiB: a full hash would reread a terabyte; a parquet footer is at its end
         with open(path, "rb") as f:
             stat, head = os.stat(path), f.read(1 << 20)
@@ -295,13 +278,11 @@ def kept_outputs(inputs, output_dir, options):
         if entry["output"] is None:  # every document of the input went to val, or it had none
             return entry["documents"] == 0
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # IndexedDataset checks the .bin's size
-            dataset = IndexedDataset(prefix)
+            dataset = IndexedDataset(prefix)  # an empty one (older code) is redone too
             return dataset.num_documents == entry["documents"] > 0 and dataset.num_tokens == entry["tokens"]
-        return False  # an empty one (older code) is redone too
 
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError, IndexError):  # a damaged summary keeps nothing
-        with open(os.path.join(output_dir, "summary.json")) as f:
-            earlier = json.load(f)
+        earlier = json.loads(pathlib.Path(output_dir, "summary.json").read_text())
         files = {entry["index"]: dict(entry, kept=True) for entry in earlier["files"]
                  if entry["index"] < len(inputs) and entry["fingerprint"] == fingerprints[entry["index"]]
                  and finished(output_prefix(output_dir, entry["index"]), entry)}
@@ -316,22 +297,18 @@ def kept_outputs(inputs, output_dir, options):
 def write_output(prefix, documents):
     """Write the token arrays `documents` as prefix.bin/.idx, each file published whole; say so, return its entry."""
     for suffix in (".idx", ".bin"):  # the old pair goes first, so no half of it can pass for part of the new one
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(prefix + suffix)
+        pathlib.Path(prefix + suffix).unlink(missing_ok=True)
     entry = dict(output=None, documents=0, tokens=0, output_bytes=0, kept=False)
     if (first := next(documents, None)) is None:  # no files: megatron-core cannot map an empty .bin
         return entry
-
-    def save_bin(path):
+    with atomic_path(prefix + ".bin") as path:
         builder = IndexedDatasetBuilder(path, dtype=np.uint16)
         for document in itertools.chain([first], documents):
             builder.add_document(document)
-            entry["documents"] += 1
-            entry["tokens"] += len(document)
         builder.finalize(prefix + ".idx")  # published whole, before the .bin it closes
-    atomic_save(prefix + ".bin", save_bin)
+    entry.update(output=prefix, documents=len(builder.sequence_lengths), tokens=os.path.getsize(prefix + ".bin") // 2)
     tqdm.write(f"{prefix}: {entry['documents']:,} documents, {entry['tokens']:,} tokens")
-    return dict(entry, output=prefix, output_bytes=2 * entry["tokens"])
+    return dict(entry, output_bytes=2 * entry["tokens"])
 
 
 def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK_BYTES, val_tokens=0):
@@ -345,14 +322,14 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
         options = {"format": FORMAT, "tokenizer": "gpt2 (tiktoken encode_ordinary) + EOT 50256", "bpe_sha256": SHA256,
                    "text_key": text_key, "dtype": "uint16", "val_tokens": val_tokens}
         fingerprints, val, files, earlier = kept_outputs(inputs, output_dir, options)
-        todo = [index for index in range(len(inputs)) if index not in files]
+        todo = {index: path for index, path in enumerate(inputs) if index not in files}
         if not todo and earlier.get("finished") and len(earlier["files"]) == len(inputs):  # no outputs of other inputs
             print(f"{output_dir}: already complete ({earlier['documents']:,} documents, {earlier['tokens']:,} "
                   f"tokens); nothing to do")
             return dict(earlier, val=val, files=[files[index] for index in sorted(files)])
         for index, entry in sorted(files.items()):
             print(f"{entry['output'] or inputs[index]}: finished by an earlier run, kept")
-        for path in (inputs[index] for index in todo):  # fail before any work starts if a file cannot be read at all
+        for path in todo.values():  # fail before any work starts if a file cannot be read at all
             if not path.endswith(INPUT_SUFFIXES):
                 raise ValueError(f"{path}: unsupported input type; expected one of {', '.join(INPUT_SUFFIXES)}")
             (open_parquet(path, text_key) if path.endswith(".parquet") else open(path, "rb")).close()
@@ -371,19 +348,17 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             return summary
 
         with multiprocessing.Pool(workers, start_worker, (lock,)) as pool, tqdm(
-                total=sum(os.path.getsize(inputs[index]) for index in todo), unit="B", unit_scale=True,
+                total=sum(map(os.path.getsize, todo.values())), unit="B", unit_scale=True,
                 desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
-            stream = document_stream(pool, inputs, todo, text_key, chunk_bytes, workers, counts, bar)
-            ended = []  # the inputs whose every document went to val
+            stream = document_stream(pool, todo, text_key, chunk_bytes, workers, counts, bar)
+            seen = [0]  # the inputs of what val took: those before the last one it reached went to it whole
             if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
                 val = write_output(os.path.join(output_dir, "val_text_document"),
-                                   val_documents(stream, val_tokens, ended))
-                last = min(len(ended), len(inputs) - 1)  # the input of the last val document
-                val.update(last_input=last, fingerprint=fingerprints[last])
-            for index in todo:  # its documents: none if val took them all, else the stream up to the end of its input
+                                   val_documents(stream, val_tokens, seen))
+                val.update(last_input=seen[-1], fingerprint=fingerprints[seen[-1]])
+            for index, path in todo.items():  # its documents: none if val took them all, else the stream to its end
                 rest = (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream))
-                written = write_output(output_prefix(output_dir, index), iter(()) if index in ended else rest)
-                path = inputs[index]
+                written = write_output(output_prefix(output_dir, index), iter(()) if index < seen[-1] else rest)
                 files[index] = dict(index=index, input=path, input_name=os.path.basename(path), **written,
                                     fingerprint=fingerprints[index], **counts[index], input_bytes=os.path.getsize(path))
                 save(finished=False)
@@ -396,9 +371,8 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             if (match := OUTPUT_FILE.fullmatch(name)) and match[1] not in made:
                 os.remove(os.path.join(output_dir, name))
                 print(f"{os.path.join(output_dir, name)}: made from an input that is no longer given, removed")
-        print(f"{output_dir}: {len(made)} outputs, {summary['documents']:,} documents, {summary['tokens']:,} tokens in "
-              f"{summary['seconds']:,.1f} s; {summary['empty_skipped']:,} empty or null texts skipped, "
-              f"{summary['invalid_utf8']:,} with invalid UTF-8 replaced")
+        print(f"{output_dir}: {len(made)} outputs, " + "{documents:,} documents, {tokens:,} tokens, {seconds:,.1f} s; "
+              "{empty_skipped:,} empty texts skipped, {invalid_utf8:,} with invalid UTF-8 replaced".format_map(summary))
         return summary
 
 
@@ -420,7 +394,6 @@ def main(argv=None):
     if args.workers < 1 or args.chunk_bytes < 1 or (args.val_tokens or 0) < 0:
         parser.error("--workers and --chunk-bytes must be at least 1, --val-tokens at least 0")
     output_dir = args.output_dir or os.path.join(args.data_dir, "megatron_gpt2")
-    val_tokens = args.val_tokens if args.val_tokens is not None else 0 if args.input else HUB_VAL_TOKENS
     try:
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ValueError(f"{output_dir}: a file, not a directory; choose another --output-dir")
@@ -429,7 +402,7 @@ def main(argv=None):
         inputs = find_inputs(args.input, output_dir) if args.input else download(args.dataset, args.sample,
                                                                                  args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers, chunk_bytes=args.chunk_bytes,
-                val_tokens=val_tokens)
+                val_tokens=HUB_VAL_TOKENS if args.val_tokens is None and not args.input else args.val_tokens or 0)
     except (ValueError, OSError) as e:  # a raw OSError (a removal, a directory) puts its file first, not its errno
         raw = getattr(e, "filename", None) and not isinstance(e, WriteError)  # WriteError says "cannot write <file>"
         sys.exit(f"prepare_fineweb.py: error: {f'{e.filename}: {e.strerror}' if raw else e}")
