@@ -23,7 +23,6 @@ import os
 import queue
 import random
 import re
-import resource
 import shutil
 import signal
 import socket
@@ -121,12 +120,11 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 # config
 
 def parse_config(config_class, argv):
-    """`config_class` from config files (.py assignments or the recipe's YAML) and --key=value overrides, in order, as
-    nanoGPT's configurator.py; a wrong key or type raises ValueError naming it."""
+    """`config_class` from config files and --key=value overrides, in order, as nanoGPT's configurator.py."""
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     values = {}
 
-    def checked(key, value, where):
+    def checked(key, value, where, text=None):
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -135,6 +133,8 @@ def parse_config(config_class, argv):
         if float in allowed and type(value) is int:
             value = float(value)
         if not any(type(value) is t or (t not in (int, bool) and isinstance(value, t)) for t in allowed):
+            if text is not None and str in allowed:
+                return text  # --split=969,30,1 means the string, not a tuple
             names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
             raise ValueError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
         return value
@@ -148,12 +148,7 @@ def parse_config(config_class, argv):
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
                 value = text
-            try:
-                values[key] = checked(key, value, f"command line {arg}")
-            except ValueError:
-                if key not in fields or str not in typing.get_args(fields[key].type) + (fields[key].type,):
-                    raise
-                values[key] = text  # --split=969,30,1 means the string, not a tuple
+            values[key] = checked(key, value, f"command line {arg}", text)
         elif not os.path.isfile(arg):
             raise FileNotFoundError(f"{arg}: config file not found")
         else:
@@ -205,8 +200,7 @@ GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large"
 
 
 def automodel_yaml(path):
-    """Our config keys from the seed recipe's YAML; a key that would change the run and has no counterpart here is
-    named in one error, the ones that change nothing in one line."""
+    """Our config keys from the seed recipe's YAML; one error names every key that would change the run."""
     import yaml  # installed with huggingface_hub
 
     def flat(tree, prefix=""):
@@ -370,23 +364,6 @@ RUN_FILES = ("train_config.json", "ckpt", "main.log", "metrics.jsonl", ".lock")
 HF_MARKER = ".train_gpt2.json"  # in every hf/ export: only such an hf/ may be replaced by the next export
 
 
-def check_out_dir(out_dir):
-    """Refuse an empty out_dir, the working or project directory or a parent, a file, or a directory not a run's."""
-    if not out_dir or not out_dir.strip():
-        raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
-    path = os.path.realpath(out_dir)
-    for name, protected in (("the current directory", os.getcwd()), ("the project directory", ROOT)):
-        protected = os.path.realpath(protected)
-        if protected == path or protected.startswith(path.rstrip(os.sep) + os.sep):
-            raise ValueError(f"{out_dir}: out_dir is {name} or one of its parents; name a directory of its own")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{out_dir}: out_dir is a file; name a directory")
-    entries = os.listdir(path) if os.path.isdir(path) else []
-    if entries and not any(name in entries for name in RUN_FILES):
-        raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. {sorted(entries)[0]!r}) but no "
-                         f"train_config.json, ckpt/ or main.log: not a training run's directory; name a new one")
-
-
 LOCKS = []  # this process's out_dir locks, released when main() returns
 
 
@@ -420,40 +397,48 @@ def os_error_message(e):
     return f"{text}; {hints[e.errno]}" if e.errno in hints else text
 
 
-def prepare_out_dir(cfg):
-    """Check and lock out_dir (rank 0, for the whole run), remove interrupted checkpoint writes, move an earlier run's
-    logs aside; return (ckpt_root, the newest usable checkpoint or None)."""
-    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
-
-    def work():
-        check_out_dir(cfg.out_dir)
-        os.makedirs(ckpt_root, exist_ok=True)
-        lock_out_dir(cfg.out_dir)
-        for name in os.listdir(ckpt_root):
-            if name.endswith(".tmp"):  # ours: the lock says no other run is writing it
-                print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
-                shutil.rmtree(os.path.join(ckpt_root, name))
-        resume_path, messages = newest_usable_checkpoint(ckpt_root)
-        for name in () if resume_path else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
-            path = os.path.join(cfg.out_dir, name)
-            k = 1
-            while os.path.exists(f"{path}.{k}"):
-                k += 1
-            if os.path.exists(path):
-                os.rename(path, f"{path}.{k}")
-                messages.append(f"{path} of an earlier run moved to {path}.{k}")
-        for message in messages:
-            print(message)
-        return resume_path
-
-    return ckpt_root, on_rank0(work)
+def prepare_out_dir(out_dir):
+    """On rank 0: refuse an out_dir that is not a run's, lock it, remove interrupted checkpoint writes and, for a fresh
+    run, move an earlier run's logs aside; the newest usable checkpoint or None."""
+    if not out_dir.strip():
+        raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
+    path = os.path.realpath(out_dir)
+    for name, protected in (("the current directory", os.getcwd()), ("the project directory", ROOT)):
+        protected = os.path.realpath(protected)
+        if protected == path or protected.startswith(path.rstrip(os.sep) + os.sep):
+            raise ValueError(f"{out_dir}: out_dir is {name} or one of its parents; name a directory of its own")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{out_dir}: out_dir is a file; name a directory")
+    entries = os.listdir(path) if os.path.isdir(path) else []
+    if entries and not set(RUN_FILES) & set(entries):
+        raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. {sorted(entries)[0]!r}) but no "
+                         f"train_config.json, ckpt/ or main.log: not a training run's directory; name a new one")
+    ckpt_root = os.path.join(out_dir, "ckpt")
+    os.makedirs(ckpt_root, exist_ok=True)
+    lock_out_dir(out_dir)
+    for name in os.listdir(ckpt_root):
+        if name.endswith(".tmp"):  # ours: the lock says no other run is writing it
+            print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
+            shutil.rmtree(os.path.join(ckpt_root, name))
+    resume_path, messages = newest_usable_checkpoint(ckpt_root)
+    for name in () if resume_path else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
+        log_path, k = os.path.join(out_dir, name), 1
+        while os.path.exists(f"{log_path}.{k}"):
+            k += 1
+        if os.path.exists(log_path):
+            os.rename(log_path, f"{log_path}.{k}")
+            messages.append(f"{log_path} of an earlier run moved to {log_path}.{k}")
+    for message in messages:
+        print(message)
+    return resume_path
 
 
 # -----------------------------------------------------------------------------
 # checkpoints (model.py reads them: complete_checkpoints, newest_usable_checkpoint, load_model)
 
-def last_good_checkpoint(ckpt_root):
-    kept = complete_checkpoints(ckpt_root)  # where a run stopped for non-finite numbers can be taken up again
+def last_good_checkpoint(out_dir):
+    """Where a run stopped for non-finite numbers can be taken up again."""
+    kept = complete_checkpoints(os.path.join(out_dir, "ckpt"))
     return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
 
 
@@ -469,12 +454,12 @@ def nonfinite(model, optimizer=None):
     return [name for name, ok in zip(checks, torch.stack(list(checks.values())).tolist()) if not ok]
 
 
-def assert_finite(model, what, ckpt_root):
+def assert_finite(model, what, out_dir):
     """Raise FloatingPointError on every rank when any rank's shard holds NaN or inf: none is saved or exported."""
     bad = nonfinite(model)
     if any_rank(bad):
         raise FloatingPointError(f"{what}: parameters hold NaN or inf (" + (", ".join(bad[:3]) or "on another rank")
-                                 + f"); nothing was written. {last_good_checkpoint(ckpt_root)}")
+                                 + f"); nothing was written. {last_good_checkpoint(out_dir)}")
 
 
 def fsync_tree(path):
@@ -488,23 +473,11 @@ def fsync_tree(path):
     return sizes
 
 
-def checkpoint_write_error(e, path):
-    """An OSError naming `path` for a failed checkpoint write, or None: DCP wraps each rank's exception, and a full disk
-    is an OSError or torch's zip writer's RuntimeError ("unexpected pos")."""
-    failures = [(f" on rank {rank}", failure[0] if isinstance(failure, tuple) else failure)
-                for rank, failure in sorted((getattr(e, "failures", None) or {}).items())]
-    for where, cause in failures or [("", e)]:
-        if isinstance(cause, (OSError, RuntimeError)) and not isinstance(cause, CheckpointException):
-            reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
-            return OSError(getattr(cause, "errno", None), f"writing checkpoint {path} failed{where}: {reason}",
-                           getattr(cause, "filename", None))
-    return None
-
-
-def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
+def save_checkpoint(cfg, model, optimizer, train_state):
     """Write step_N.tmp (DCP shards, rng.pt, train_state.json), fsync it, write the marker, rename it to step_N, keep
-    the newest `keep`. Non-finite weights or a failed write raise and leave nothing that looks complete. Collective."""
-    assert_finite(model, f"checkpoint at step {train_state['step']}", ckpt_root)
+    the newest ckpt_keep; a failed write leaves nothing that looks complete. Collective."""
+    assert_finite(model, f"checkpoint at step {train_state['step']}", cfg.out_dir)
+    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
     final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
         return final  # already saved (a run resumed here and stopped at once)
@@ -532,20 +505,25 @@ def save_checkpoint(ckpt_root, model, optimizer, train_state, keep):
     except (Exception, CheckpointException) as e:
         if master:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; it never held a marker
-        error = checkpoint_write_error(e, final)
-        if error is None:
-            raise
-        raise error from None
+        # DCP wraps each rank's exception; a full disk is an OSError or torch's zip writer's RuntimeError
+        failures = [(f" on rank {rank}", failure[0] if isinstance(failure, tuple) else failure)
+                    for rank, failure in sorted((getattr(e, "failures", None) or {}).items())]
+        for where, cause in failures or [("", e)]:
+            if isinstance(cause, (OSError, RuntimeError)):
+                reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
+                raise OSError(getattr(cause, "errno", None), f"writing checkpoint {final} failed{where}: {reason}",
+                              getattr(cause, "filename", None)) from None
+        raise
     if master:
-        for old in complete_checkpoints(ckpt_root)[:-keep]:
+        for old in complete_checkpoints(ckpt_root)[:-cfg.ckpt_keep]:
             shutil.rmtree(old)
     barrier()
     return final
 
 
 def load_checkpoint(ckpt_path, model, optimizer):
-    """Load model, optimizer and RNG states (resharded onto this run's ranks); return train_state.json. When any rank
-    fails, every rank sets the checkpoint aside and tries the next older one (DCP's load is collective)."""
+    """Load model, optimizer and RNG states (resharded); return train_state.json. A checkpoint failing on any rank is
+    set aside by all and the next older one tried (DCP's load is collective)."""
     older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
     for path in [ckpt_path] + broadcast_object(older):
         error = None
@@ -581,21 +559,18 @@ DATA_KEYS = ("data_paths", "split", "seed", "seq_length")
 
 
 def resume(resume_path, model, optimizer, cfg, data, log):
-    """(step, consumed_samples) of the checkpoint loaded into model and optimizer, or (0, 0) for a fresh run. A
-    change to the tokens the run sees, or to their order, is refused unless resume_allow_data_change."""
-    if resume_path is None:
-        return 0, 0
+    """The step of the checkpoint loaded into model and optimizer; a change to the tokens the run sees, or to their
+    order, is refused unless resume_allow_data_change."""
     train_state = load_checkpoint(resume_path, model, optimizer)
     step, saved = train_state["step"], train_state["config"]
     for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
         group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
     if cfg.eval_only:  # evaluation reads no training data and needs no step budget
-        return step, train_state["consumed_samples"]
-    if saved["global_batch_size"] != cfg.global_batch_size:
-        # the data order and the lr schedule are counted in steps of the saved global batch
-        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {saved['global_batch_size']}, "
-                         f"the config now says {cfg.global_batch_size}; resume with --global_batch_size="
-                         f"{saved['global_batch_size']} (any number of ranks and local_batch_size dividing it work)")
+        return step
+    batch = saved["global_batch_size"]
+    if batch != cfg.global_batch_size:  # the data order and the lr schedule are counted in steps of the saved batch
+        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {batch}, the config now says "
+                         f"{cfg.global_batch_size}; resume with --global_batch_size={batch} (on any ranks)")
     if step > cfg.max_steps:
         raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
     changes = [f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}" for key in DATA_KEYS if saved[key] != getattr(cfg, key)]
@@ -613,7 +588,7 @@ def resume(resume_path, model, optimizer, cfg, data, log):
     if saved["max_steps"] != cfg.max_steps:
         log(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the cosine decay to min_lr {cfg.min_lr:g} now ends "
             f"at step {cfg.max_steps}; lr at step {step} is {lr_at(step, cfg):.3e}")
-    return step, train_state["consumed_samples"]
+    return step
 
 
 def data_state(train_data):
@@ -654,7 +629,7 @@ def publish_hf(model, cfg):
     an hf/ without HF_MARKER was not written here and is moved aside, not replaced."""
     if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
         model.reshard()
-    assert_finite(model, "Hugging Face export", os.path.join(cfg.out_dir, "ckpt"))
+    assert_finite(model, "Hugging Face export", cfg.out_dir)
     t0, hf_dir = time.perf_counter(), os.path.join(cfg.out_dir, "hf")
     if is_master() and os.path.isdir(hf_dir) and not os.path.exists(os.path.join(hf_dir, HF_MARKER)):
         moved = f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -796,10 +771,31 @@ def peak_flops(device):
 # data and evaluation
 
 def build_data(cfg, log):
-    """(train_data, val_data): Megatron's GPTDataset samples (None under eval_only), and llm.c's windows of
-    val_data_paths or the first val_tokens of the Megatron validation split of data_paths, in order (or None)."""
-    train_data = None if cfg.eval_only else build_train_data(cfg, log)
-    val_data = None
+    """(train_data, val_data): Megatron's GPTDataset samples (None under eval_only; past one epoch of an unweighted
+    list, Megatron's limit, the prefixes blended by tokens), and llm.c's val windows or Megatron's validation split."""
+    train_data = val_data = None
+    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
+    common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0),
+                  cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
+    paths = cfg.data_paths
+    if not cfg.eval_only:
+        train_data, _, _ = build_gpt_datasets(paths, **common)
+        if train_data is None:
+            raise ValueError(f"{paths}: the train split is empty (split {cfg.split!r})")
+        if cfg.max_steps is None:
+            cfg.max_steps = len(train_data) // cfg.global_batch_size
+            if cfg.max_steps < 1:
+                raise ValueError(f"{paths}: the train split has {len(train_data):,} samples, fewer than one global "
+                                 f"batch of {cfg.global_batch_size}")
+            log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
+        elif len(train_data) < num_samples:
+            log(f"{paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes are "
+                f"blended by token count, each repeated in whole epochs")
+            paths = token_weighted_blend(paths)
+            train_data, _, _ = build_gpt_datasets(paths, **common)
+        prefixes, weights = resolve_blend(paths)
+        if weights is not None:  # said at every start: the dataset cache only says it when it builds the blend
+            log("train blend: " + ", ".join(f"{prefix} {w / sum(weights):.4f}" for prefix, w in zip(prefixes, weights)))
     if cfg.val_tokens and cfg.val_data_paths is not None:
         val_data = LLMCValWindows(cfg.val_data_paths, cfg.seq_length, cfg.val_tokens)
     elif cfg.val_tokens:
@@ -811,38 +807,6 @@ def build_data(cfg, log):
         log(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
             f"{cfg.val_data_paths or cfg.data_paths}")
     return train_data, val_data
-
-
-def build_train_data(cfg, log):
-    """The train split; past one epoch of an unweighted list (Megatron's limit) the prefixes are blended by tokens."""
-    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
-    common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0),
-                  cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
-    train_data, _, _ = build_gpt_datasets(cfg.data_paths, **common)
-    if train_data is None:
-        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
-    if cfg.max_steps is None:
-        cfg.max_steps = len(train_data) // cfg.global_batch_size
-        if cfg.max_steps < 1:
-            raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than one "
-                             f"global batch of {cfg.global_batch_size}")
-        log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
-    elif len(train_data) < num_samples:
-        log(f"{cfg.data_paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes "
-            f"are blended by token count, each repeated in whole epochs")
-        blend = token_weighted_blend(cfg.data_paths)
-        train_data, _, _ = build_gpt_datasets(blend, **common)
-        log_blend(blend, log)
-        return train_data
-    log_blend(cfg.data_paths, log)
-    return train_data
-
-
-def log_blend(paths, log):
-    """A weighted blend's shares, said at every start (the dataset cache only says them when it builds the blend)."""
-    prefixes, weights = resolve_blend(paths)
-    if weights is not None:
-        log("train blend: " + ", ".join(f"{prefix} {w / sum(weights):.4f}" for prefix, w in zip(prefixes, weights)))
 
 
 def host_batch(dataset, indices, vocab_size, pin):
@@ -885,32 +849,6 @@ class Prefetcher:
         return [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in item]
 
 
-@torch.no_grad()
-def validation_loss(model, val_data, batch_size, device, autocast, vocab_size, stop):
-    """Mean loss per token over every window of `val_data`: rank r scores windows r, r + W, ..., and every rank runs
-    the same number of forwards (a sharded model's forward is collective). None when a stop was requested."""
-    rank, world_size = rank_and_world_size()
-    mine = list(range(rank, len(val_data), world_size))
-    num_batches = math.ceil(math.ceil(len(val_data) / world_size) / batch_size)
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, tokens
-    model.eval()
-    for b in range(num_batches):
-        if any_rank(stop.signal is not None):  # between batches: a stop never waits behind an evaluation
-            model.train()
-            return None
-        indices = mine[b * batch_size:(b + 1) * batch_size]
-        tokens, labels = (t.to(device) for t in host_batch(val_data, indices or [0], vocab_size, False))
-        with autocast:
-            _, loss = model(tokens, labels)
-        if indices:
-            totals[0] += loss.double() * labels.numel()
-            totals[1] += labels.numel()
-    model.train()
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
-
-
 class Evaluator:
     """Validation loss, HellaSwag and a sample at step s, before its update (s:0 the initial model, HellaSwag and
     samples there only under eval_only). Every rank takes part."""
@@ -918,6 +856,7 @@ class Evaluator:
     def __init__(self, cfg, val_data, vocab_size, device, autocast_dtype, log):
         self.cfg, self.val_data, self.device, self.autocast_dtype, self.log = cfg, val_data, device, autocast_dtype, log
         self.vocab_size = vocab_size
+        self.autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
         self.sample_tokens = cfg.sample_tokens if vocab_size == VOCAB_SIZE else 0
         if cfg.sample_tokens and not self.sample_tokens:
             log(f"sample_tokens ignored: the vocabulary ({vocab_size} tokens) is not GPT-2's")
@@ -929,38 +868,60 @@ class Evaluator:
             on_rank0(lambda: len(hellaswag.load_examples(path)))  # downloaded once, by rank 0
             self.hellaswag = hellaswag.render_all(hellaswag.load_examples(path))  # tokenized once per run
 
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+    @torch.no_grad()
+    def validation_loss(self, model, stopped):
+        """Mean loss per token over every window: rank r scores windows r, r + W, ..., each rank in as many forwards
+        (a sharded model's forward is collective). None when a stop was requested."""
+        rank, world_size = rank_and_world_size()
+        n, batch_size = len(self.val_data), self.cfg.local_batch_size
+        mine = list(range(rank, n, world_size))
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+        model.eval()
+        try:
+            for b in range(math.ceil(math.ceil(n / world_size) / batch_size)):
+                if stopped():  # between batches: a stop never waits behind an evaluation
+                    return None
+                indices = mine[b * batch_size:(b + 1) * batch_size]
+                batch = host_batch(self.val_data, indices or [0], self.vocab_size, False)
+                tokens, labels = (t.to(self.device) for t in batch)
+                with self.autocast:
+                    _, loss = model(tokens, labels)
+                if indices:
+                    totals[0] += loss.double() * labels.numel()
+                    totals[1] += labels.numel()
+        finally:
+            model.train()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
 
     def __call__(self, model, step, stop):
         """Whether the evaluation ran to its end (False: a stop was requested during it)."""
-        cfg, log = self.cfg, self.log
+        cfg, log, stopped = self.cfg, self.log, lambda: any_rank(stop.signal is not None)
+        head = f"step {step:5d}/{cfg.max_steps} |"
         if self.val_data is not None:
             t0 = time.perf_counter()
-            val_loss = validation_loss(model, self.val_data, cfg.local_batch_size, self.device, self.autocast(),
-                                       self.vocab_size, stop)
+            val_loss = self.validation_loss(model, stopped)
             if val_loss is None:
                 return False
             if not math.isfinite(val_loss):
-                raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped without saving "
-                                         f"this state")
-            log(f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
-                f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
+                raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped, state not saved")
+            log(f"{head} val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s", f"s:{step} tel:{val_loss:.4f}",
+                step=step, val_loss=val_loss)
         if self.hellaswag is not None and (step > 0 or cfg.eval_only):
             rank, world_size = rank_and_world_size()
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
-                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit,
-                                        stopped=lambda: any_rank(stop.signal is not None))
+                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit, stopped=stopped)
             if result is None:
                 return False
-            log(f"step {step:5d}/{cfg.max_steps} | hellaswag acc_norm {result['acc_norm']:.4f} "
-                f"({result['correct_norm']}/{result['total']})", f"s:{step} eval:{result['acc_norm']:.4f}",
-                step=step, hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
+            log(f"{head} hellaswag acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['total']})",
+                f"s:{step} eval:{result['acc_norm']:.4f}", step=step, hellaswag_acc_norm=result["acc_norm"],
+                hellaswag_acc=result["acc"])
         if self.sample_tokens and step > 0:
-            with self.autocast():
+            with self.autocast:
                 text = sample_texts(model, "", max_new_tokens=self.sample_tokens, seed=cfg.seed + step,
                                     device=self.device)[0]
-            log(f"step {step:5d}/{cfg.max_steps} | sample: {text!r}", step=step, sample=text)
+            log(f"{head} sample: {text!r}", step=step, sample=text)
         return True
 
 
@@ -970,15 +931,13 @@ class Evaluator:
 class StopRequest:
     """Remembers SIGTERM/SIGINT so the loop can checkpoint and exit 128 + signum; a second signal gets the previous
     handler (Ctrl-C twice interrupts at once)."""
-    received = None
 
     def __init__(self):
         self.signal = self.time = None
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handle(self, signum, frame):
-        self.signal, self.time = signal.Signals(signum).name, time.perf_counter()
-        StopRequest.received = signum
+        self.signal, self.time = signum, time.perf_counter()
         self.restore()
 
     def restore(self):
@@ -1027,34 +986,33 @@ class RunLog:
 
 
 def peak_memory(device, reset=False):
-    """(GiB, label) of the peak memory since the last reset: the CUDA allocator's high-water mark, or the CPU's peak
-    resident set size (VmHWM; writing 5 to clear_refs resets it). Never waits for the device."""
+    """(GiB, label) of the peak memory since the last reset, without waiting for the device: the CUDA allocator's
+    high-water mark, or the peak resident set size (VmHWM; writing 5 to clear_refs resets it)."""
     if device.type == "cuda":
         if reset:
             torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
-    try:
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20, "rss"
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20, "rss"
 
 
 class StepLog:
     """Each step's loss, grad norm and stop flag stay on the device, copied to the host asynchronously and read once
     per log_every_steps steps, one step late: the host never waits for the device. Times are CUDA events on a GPU."""
 
-    def __init__(self, cfg, log, device, flops_per_token, ckpt_root):
-        self.cfg, self.log, self.device, self.ckpt_root = cfg, log, device, ckpt_root
-        self.cuda = device.type == "cuda"
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        peak = peak_flops(device)
+    def __init__(self, cfg, log, device, model):
+        self.cfg, self.log, self.device = cfg, log, device
+        self.cuda, self.world_size = device.type == "cuda", rank_and_world_size()[1]
+        flops_per_token, peak = model.flops_per_token(cfg.seq_length), peak_flops(device)
         self.mfu_scale = flops_per_token / (peak * self.world_size) if peak else None
+        log(f"model: {model.num_params(non_embedding=False):,} parameters ({model.num_params():,} non-embedding), "
+            f"{flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
+            + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
         self.pending = []  # (step, lr, host stats, start, end, peak GiB): start/end are CUDA events or host times
-        self.recent = []  # (end, host stats) of the last two steps, for the stop flag
+        self.recent = []  # (end, host stats) of the steps the stop flag is read from: a GPU's last two, a CPU's last
         self.stop_flag = torch.zeros((), device=device)
         self.run_peak_gib = 0.0
 
@@ -1082,7 +1040,7 @@ class StepLog:
         peak_gib, self.memory_label = peak_memory(self.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
-        self.recent = self.recent[-1:] + [(end, host)]
+        self.recent = (self.recent + [(end, host)])[-2 if self.cuda else -1:]
 
     def stop_requested(self, stop):
         """Whether a rank was asked to stop, agreed by every rank at every step from numbers the host already has: on
@@ -1091,7 +1049,7 @@ class StepLog:
             return stop.signal is not None
         if self.cuda and len(self.recent) < 2:
             return False
-        end, host = self.recent[0] if self.cuda else self.recent[-1]
+        end, host = self.recent[0]
         if self.cuda:
             end.synchronize()
         return host[2].item() > 0
@@ -1106,7 +1064,7 @@ class StepLog:
             if not (math.isfinite(train_loss) and math.isfinite(norm)):
                 raise FloatingPointError(
                     f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped without saving "
-                    f"this state. {last_good_checkpoint(self.ckpt_root)}")
+                    f"this state. {last_good_checkpoint(self.cfg.out_dir)}")
             dt = start.elapsed_time(end) / 1000 if self.cuda else end - start
             tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_length / dt
             mfu = tokens_per_s * self.mfu_scale if self.mfu_scale else None
@@ -1133,10 +1091,10 @@ def forward_backward(model, batches, autocast):
     return loss_sum / len(batches)
 
 
-def setup(cfg, world_size, device, log):
+def setup(cfg, world_size, device, log, stop):
     """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation;
-    None when the run is already complete."""
-    ckpt_root, resume_path = prepare_out_dir(cfg)
+    None when there is nothing to train (the run is complete, or eval_only has evaluated)."""
+    resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir))
     if on_rank0(lambda: already_complete(cfg, resume_path)):
         log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
         return None
@@ -1160,51 +1118,44 @@ def setup(cfg, world_size, device, log):
                 from None
     optimizer = build_optimizer(model, cfg, device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True  # cuDNN allows TF32 by default
     data = {} if train_data is None else data_state(train_data)
-    step, consumed_samples = resume(resume_path, model, optimizer, cfg, data, log)
+    step = 0 if resume_path is None else resume(resume_path, model, optimizer, cfg, data, log)
     on_rank0(lambda: write_run_config(cfg))
     log.start_wandb(cfg, resumed=resume_path is not None)
     # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
     autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, autocast_dtype, log)
-    flops_per_token = model.flops_per_token(cfg.seq_length)
-    peak = peak_flops(device)
-    log(f"model: {model.num_params(non_embedding=False):,} parameters ({model.num_params():,} non-embedding), "
-        f"{flops_per_token / 1e9:.3f} GFLOP/token; bf16 peak "
-        + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
-    step_log = StepLog(cfg, log, device, flops_per_token, ckpt_root)
-    return model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data
+    step_log = StepLog(cfg, log, device, model)
+    if cfg.eval_only:
+        evaluate(model, step, stop)
+        return None
+    return model, optimizer, step, train_data, evaluate, step_log, data
 
 
 def train(cfg, rank, world_size, device):
     log, stop = RunLog(cfg.out_dir), StopRequest()
     try:
-        state = setup(cfg, world_size, device, log)
+        state = setup(cfg, world_size, device, log, stop)
         if state is None:
             return 0
-        model, optimizer, step, consumed_samples, train_data, evaluate, step_log, ckpt_root, data = state
-        if cfg.eval_only:
-            evaluate(model, step, stop)
-            return 0
+        model, optimizer, step, train_data, evaluate, step_log, data = state
         grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
-        sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, consumed_samples,
+        sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
                                           cfg.local_batch_size, rank, world_size))
         batches = Prefetcher(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
-        autocast = evaluate.autocast()
 
         def save(done, stopping=False):
             t0 = time.perf_counter()
             train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
                                model_config=dataclasses.asdict(model.config), config=dataclasses.asdict(cfg),
                                **data)
-            path = save_checkpoint(ckpt_root, model, optimizer, train_state, cfg.ckpt_keep)
+            path = save_checkpoint(cfg, model, optimizer, train_state)
             log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
             if stopping:  # exit 128 + signum (143 for SIGTERM), also on ranks that only heard of it
                 since = f", {time.perf_counter() - stop.time:.1f} s after the signal" if stop.time else ""
                 log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
-                return 128 + (StopRequest.received or signal.SIGTERM)
+                return 128 + (stop.signal or signal.SIGTERM)
 
         for step in range(step, cfg.max_steps + 1):
             last_step = step == cfg.max_steps
@@ -1218,7 +1169,7 @@ def train(cfg, rank, world_size, device):
             # one optimizer step over global_batch_size sequences; nothing here waits for the device
             step_log.start_step()
             lr = lr_at(step, cfg)
-            loss = forward_backward(model, batches.next(), autocast)
+            loss = forward_backward(model, batches.next(), evaluate.autocast)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -1250,7 +1201,6 @@ def main(argv=None):
 
 def run(cfg):
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
-    StopRequest.received = None
     try:
         return train(cfg, rank, world_size, device)
     finally:
