@@ -1,5 +1,4 @@
-"""
-Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU process or many GPUs and nodes.
+"""Pretrain GPT-2 on Megatron-format token datasets (FineWeb-Edu), on one CPU process or many GPUs and nodes.
 
     python train_gpt2.py configs/demo_cpu.py                                    # one process (CPU or one GPU)
     torchrun --standalone --nproc_per_node 8 train_gpt2.py configs/gpt2_124m.py  # 8 GPUs, FSDP2 (--nnodes for more)
@@ -22,27 +21,20 @@ import math
 import os
 import queue
 import random
-import re
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
-import types
 import typing
-import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
 import hellaswag
 from atomic_io import atomic_save, atomic_write, fsync_dir
@@ -55,7 +47,7 @@ from sample import sample_texts
 from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
 
 
-@dataclass
+@dataclasses.dataclass
 class TrainConfig:
     # data: token datasets written by prepare_fineweb.py (or Megatron's preprocess_data.py)
     data_paths: str | list = "fineweb_edu/megatron_gpt2/processed_data_*_text_document"  # prefix, glob, or blend list
@@ -112,8 +104,7 @@ class TrainConfig:
 
 
 # dense bf16 tensor-core peak of one GPU in TFLOP/s, for MFU; the first name found in the device name wins
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("A100", 312),
-                    ("B200", 2250)]
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("A100", 312), ("B200", 2250)]
 
 
 # -----------------------------------------------------------------------------
@@ -121,8 +112,7 @@ PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200
 
 def parse_config(config_class, argv):
     """`config_class` from config files and --key=value overrides, in order, as nanoGPT's configurator.py."""
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
-    values = {}
+    fields, values = {f.name: f for f in dataclasses.fields(config_class)}, {}
 
     def checked(key, value, where, text=None):
         if key not in fields:
@@ -173,7 +163,7 @@ def exec_config(path):
         line = next((frame.lineno for frame in reversed(traceback.extract_tb(e.__traceback__))
                      if frame.filename == path), "?")
         raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, types.ModuleType)}
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v)}
 
 
 # NeMo AutoModel's megatron_pretrain_gpt2.yaml, the recipe this project answers: its keys and ours
@@ -184,10 +174,8 @@ AUTOMODEL_KEYS = {
     "dataset.index_mapping_dir": "index_mapping_dir", "dataset.seq_length": "seq_length", "dataset.split": "split",
     "optimizer.lr": "lr", "optimizer.weight_decay": "weight_decay", "optimizer.eps": "adam_eps",
     "lr_scheduler.lr_warmup_steps": "lr_warmup_steps", "lr_scheduler.min_lr": "min_lr",
-    "checkpoint.checkpoint_dir": "out_dir", "wandb.project": "wandb_project", "wandb.name": "wandb_run_name",
-}
-# keys that do not change what is trained (AutoModel's classes for the same loader, loss and sharding); a trailing
-# dot names a whole section
+    "checkpoint.checkpoint_dir": "out_dir", "wandb.project": "wandb_project", "wandb.name": "wandb_run_name"}
+# keys that change nothing here (AutoModel's classes for the same loader, loss, sharding); "x." names a section
 AUTOMODEL_SAME = ("dataloader.", "validation_dataloader.", "loss_fn.", "dataset.tokenizer.",
                   "validation_dataset.tokenizer.", "dataset.splits_to_build", "validation_dataset.splits_to_build",
                   "step_scheduler.num_epochs", "rng.ranked", "dist_env.backend", "checkpoint.enabled",
@@ -212,8 +200,7 @@ def automodel_yaml(path):
 
     try:
         with open(path, encoding="utf-8") as f:
-            tree = yaml.safe_load(f)
-        items = dict(flat(tree))
+            items = dict(flat(yaml.safe_load(f)))
     except (yaml.YAMLError, AttributeError) as e:
         raise ValueError(f"{path}: not a YAML mapping of the recipe's sections: {str(e).splitlines()[0]}") from None
     ours, same, unsupported = {}, [], []
@@ -228,7 +215,7 @@ def automodel_yaml(path):
             ours["val_tokens"] = value * items.get("dataset.seq_length", 1024)
         elif key == "model.config.pretrained_model_name_or_path" and os.path.basename(str(value)) in GPT2_SIZES:
             ours["n_layer"], ours["n_head"], ours["n_embd"] = GPT2_SIZES[os.path.basename(str(value))]
-        elif key == "optimizer._target_" and not re.search(r"AdamW|FusedAdam", str(value)):
+        elif key == "optimizer._target_" and not any(name in str(value) for name in ("AdamW", "FusedAdam")):
             unsupported.append(f"{key}={value!r}")  # any AdamW (torch's or Transformer Engine's) computes the same
         elif key == "lr_scheduler.lr_decay_style" and value == "cosine" or key.endswith("_target_") or \
                 key in ("distributed.tp_size", "distributed.cp_size", "distributed.pp_size") and value in (1, None) or \
@@ -301,6 +288,7 @@ def setup_distributed(device_choice="auto", timeout_s=900):
     if device_choice == "cuda" and not torch.cuda.is_available():
         raise ValueError("config: device is 'cuda' but torch sees no CUDA GPU")
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    torch.backends.cuda.matmul.allow_tf32 = use_cuda  # TF32 matmuls on GPUs (cuDNN allows them by default)
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if use_cuda else "cpu")
     rank, world_size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
@@ -362,14 +350,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # what a run writes into an out_dir; a non-empty directory holding none of these belongs to someone else
 RUN_FILES = ("train_config.json", "ckpt", "main.log", "metrics.jsonl", ".lock")
 HF_MARKER = ".train_gpt2.json"  # in every hf/ export: only such an hf/ may be replaced by the next export
-
-
 LOCKS = []  # this process's out_dir locks, released when main() returns
 
 
 def lock_out_dir(out_dir):
-    """An exclusive flock on out_dir/.lock for the run's life; the OS drops it when the process dies (NFS and Lustre
-    with -o flock: across nodes)."""
+    """An exclusive flock on out_dir/.lock for the run, dropped when the process dies (NFS/Lustre: across nodes)."""
     path = os.path.join(out_dir, ".lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -382,24 +367,12 @@ def lock_out_dir(out_dir):
                              f"wait for it to end, stop it, or choose another out_dir") from None
         raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)  # for the next run's error
+    os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)  # for the next run's error
     LOCKS.append(fd)
 
 
-def os_error_message(e):
-    """One line for an OSError: what failed on which path, and the way out."""
-    space, write = "free some space or choose another out_dir", "choose a directory you can write to"
-    not_dir = "a part of the path is a file, not a directory; choose another path"
-    hints = {errno.ENOSPC: space, errno.EDQUOT: space, errno.EACCES: write, errno.EPERM: write,
-             errno.EROFS: "the filesystem is read-only; choose another directory", errno.ENOTDIR: not_dir,
-             errno.EEXIST: not_dir, errno.ENOENT: "check the path"}
-    text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else e.strerror or str(e)
-    return f"{text}; {hints[e.errno]}" if e.errno in hints else text
-
-
 def prepare_out_dir(out_dir):
-    """On rank 0: refuse an out_dir that is not a run's, lock it, remove interrupted checkpoint writes and, for a fresh
-    run, move an earlier run's logs aside; the newest usable checkpoint or None."""
+    """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or None."""
     if not out_dir.strip():
         raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
     path = os.path.realpath(out_dir)
@@ -473,12 +446,11 @@ def fsync_tree(path):
     return sizes
 
 
-def save_checkpoint(cfg, model, optimizer, train_state):
-    """Write step_N.tmp (DCP shards, rng.pt, train_state.json), fsync it, write the marker, rename it to step_N, keep
-    the newest ckpt_keep; a failed write leaves nothing that looks complete. Collective."""
-    assert_finite(model, f"checkpoint at step {train_state['step']}", cfg.out_dir)
+def save_checkpoint(cfg, model, optimizer, step, data):
+    """step_N.tmp (DCP shards, rng.pt, train_state.json) fsynced, its marker, renamed to step_N. Collective."""
+    assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
-    final = os.path.join(ckpt_root, f"step_{train_state['step']:08d}")
+    final = os.path.join(ckpt_root, f"step_{step:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
         return final  # already saved (a run resumed here and stopped at once)
     tmp, master = final + ".tmp", is_master()
@@ -495,14 +467,17 @@ def save_checkpoint(cfg, model, optimizer, train_state):
             rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                        cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
             atomic_save(os.path.join(tmp, "rng.pt"), lambda name: torch.save(rng, name))
+            train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
+                               world_size=rank_and_world_size()[1], model_config=dataclasses.asdict(model.config),
+                               config=dataclasses.asdict(cfg))
             with atomic_write(os.path.join(tmp, "train_state.json"), "w", encoding="utf-8") as f:
                 json.dump(train_state, f, indent=2)
             sizes = fsync_tree(tmp)
             with atomic_write(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-                json.dump(dict(step=train_state["step"], sizes=sizes), f, indent=2)
+                json.dump(dict(step=step, sizes=sizes), f, indent=2)
             os.rename(tmp, final)
             fsync_dir(ckpt_root)
-    except (Exception, CheckpointException) as e:
+    except (Exception, dcp.CheckpointException) as e:
         if master:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; it never held a marker
         # DCP wraps each rank's exception; a full disk is an OSError or torch's zip writer's RuntimeError
@@ -522,16 +497,15 @@ def save_checkpoint(cfg, model, optimizer, train_state):
 
 
 def load_checkpoint(ckpt_path, model, optimizer):
-    """Load model, optimizer and RNG states (resharded); return train_state.json. A checkpoint failing on any rank is
-    set aside by all and the next older one tried (DCP's load is collective)."""
+    """Load model, optimizer and RNG states (resharded); return train_state.json. One failing on any rank is set aside
+    by all and the next older one tried (DCP's load is collective)."""
     older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
     for path in [ckpt_path] + broadcast_object(older):
         error = None
         try:
             model_state, optim_state = get_state_dict(model, optimizer)
-            state = {"model": model_state, "optim": optim_state}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)  # in place
+            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
             if nonfinite(model, optimizer):
                 raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite Adam moment")
             # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all
@@ -542,7 +516,7 @@ def load_checkpoint(ckpt_path, model, optimizer):
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
             train_state = read_train_state(path)
-        except (Exception, CheckpointException) as e:
+        except (Exception, dcp.CheckpointException) as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not any_rank(error is not None):
             return train_state
@@ -554,13 +528,8 @@ def load_checkpoint(ckpt_path, model, optimizer):
                      "start a fresh run in another out_dir")
 
 
-# what decides which tokens a run sees and in what order (with the data itself and the train split's epochs)
-DATA_KEYS = ("data_paths", "split", "seed", "seq_length")
-
-
 def resume(resume_path, model, optimizer, cfg, data, log):
-    """The step of the checkpoint loaded into model and optimizer; a change to the tokens the run sees, or to their
-    order, is refused unless resume_allow_data_change."""
+    """The step of the checkpoint loaded; a change to the tokens seen or their order needs resume_allow_data_change."""
     train_state = load_checkpoint(resume_path, model, optimizer)
     step, saved = train_state["step"], train_state["config"]
     for group, weight_decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0)):  # the config wins
@@ -573,7 +542,9 @@ def resume(resume_path, model, optimizer, cfg, data, log):
                          f"{cfg.global_batch_size}; resume with --global_batch_size={batch} (on any ranks)")
     if step > cfg.max_steps:
         raise ValueError(f"{resume_path}: the checkpoint is at step {step}, beyond max_steps {cfg.max_steps}")
-    changes = [f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}" for key in DATA_KEYS if saved[key] != getattr(cfg, key)]
+    # what decides which tokens a run sees and in what order, with the data itself and the train split's epochs
+    changes = [f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}" for key in ("data_paths", "split", "seed", "seq_length")
+               if saved[key] != getattr(cfg, key)]
     before, now = train_state["data"], data["data"]
     changes += [f"data {prefix} fingerprint {before.get(prefix, 'absent')[:12]} -> {now.get(prefix, 'absent')[:12]}"
                 for prefix in sorted(set(before) | set(now)) if before.get(prefix) != now.get(prefix)]
@@ -592,8 +563,7 @@ def resume(resume_path, model, optimizer, cfg, data, log):
 
 
 def data_state(train_data):
-    """What a resume compares, read from the built train split: each file's fingerprint (computed once, when its index
-    cache was looked up) and a digest of the sample order (documents, sample boundaries, shuffle, blend)."""
+    """What a resume compares: each file's fingerprint and a digest of the sample order (documents, samples, blend)."""
     digest = hashlib.sha256()
     for part in [train_data] + list(getattr(train_data, "datasets", [])):
         for name in ("document_index", "sample_index", "shuffle_index", "dataset_index", "dataset_sample_index"):
@@ -606,35 +576,23 @@ def data_state(train_data):
 
 def already_complete(cfg, resume_path):
     """Whether out_dir holds the run's last checkpoint and its hf/ export: a rerun then has nothing to do."""
-    if resume_path is None or cfg.eval_only:
-        return False
-    train_state = read_train_state(resume_path)
     try:
         with open(os.path.join(cfg.out_dir, "hf", HF_MARKER), encoding="utf-8") as f:
             exported = json.load(f)["step"]
     except (OSError, ValueError, KeyError):
         return False
+    train_state = read_train_state(resume_path)
     return train_state["step"] == (cfg.max_steps or train_state["config"]["max_steps"]) == exported
 
 
-def write_run_config(cfg):
-    """train_config.json: the config this run trains with, written once it is known to be accepted."""
-    with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
-    print(json.dumps(dataclasses.asdict(cfg), indent=2))
-
-
 def publish_hf(model, cfg):
-    """The final weights (and, with GPT-2's vocabulary, its tokenizer) as out_dir/hf, swapped in whole by export_hf;
-    an hf/ without HF_MARKER was not written here and is moved aside, not replaced."""
+    """The final weights (and GPT-2's tokenizer) as out_dir/hf; an hf/ without HF_MARKER is moved aside."""
     if hasattr(model, "reshard"):  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
         model.reshard()
     assert_finite(model, "Hugging Face export", cfg.out_dir)
     t0, hf_dir = time.perf_counter(), os.path.join(cfg.out_dir, "hf")
     if is_master() and os.path.isdir(hf_dir) and not os.path.exists(os.path.join(hf_dir, HF_MARKER)):
-        moved = f"{hf_dir}.moved-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.rename(hf_dir, moved)
-        print(f"{hf_dir} was not written by train_gpt2.py; moved to {moved}")
+        print(f"{hf_dir} was not written by train_gpt2.py; moved to {set_aside(hf_dir, 'moved')}")
 
     def extra_files(directory):
         if model.config.vocab_size == VOCAB_SIZE:  # GPT-2's tokenizer, and generation that stops at its EOT
@@ -654,19 +612,17 @@ def publish_hf(model, cfg):
 # model and optimizer
 
 def starting_point(cfg, resume_path):
-    """(GPTConfig, init): the architecture, and where the first weights come from: ("checkpoint", path), ("hf",
-    directory) or ("seed", seed). cfg.padded_vocab_size applies to Hugging Face weights; a checkpoint keeps its own."""
+    """(GPTConfig, (kind, source)): the architecture and where the first weights come from (resume, checkpoint, hf,
+    seed). padded_vocab_size applies to HF weights; a checkpoint keeps its own."""
     if resume_path is not None:
         model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
-        if cfg.init_from is None:
-            ours = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size,
-                        padded_vocab_size=cfg.padded_vocab_size)
-            differ = [f"{k} {getattr(model_config, k)} (config: {v})" for k, v in ours.items()
-                      if getattr(model_config, k) != v]
-            if differ:
-                raise ValueError(f"{resume_path}: the checkpoint to resume from has {', '.join(differ)}; use the "
-                                 f"checkpoint's architecture or another out_dir")
-        return model_config, ("checkpoint", resume_path)
+        keys = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size")
+        differ = [f"{k} {getattr(model_config, k)} (config: {getattr(cfg, k)})" for k in keys
+                  if getattr(model_config, k) != getattr(cfg, k)]
+        if differ and cfg.init_from is None:
+            raise ValueError(f"{resume_path}: the checkpoint to resume from has {', '.join(differ)}; use the "
+                             f"checkpoint's architecture or another out_dir")
+        return model_config, ("resume", resume_path)
     if cfg.init_from is not None and is_run_or_checkpoint(cfg.init_from):
         ckpt_path = resolve_checkpoint(cfg.init_from)
         return GPTConfig(**read_train_state(ckpt_path)["model_config"]), ("checkpoint", ckpt_path)
@@ -679,11 +635,10 @@ def starting_point(cfg, resume_path):
 
 
 def build_model(model_config, init, cfg, device):
-    """The model, built on the meta device and (under torchrun) sharded with FSDP2 before any weight exists; each rank
-    then fills its own rows: GPT-2's init from the seed (the same on any number of ranks) or its rows of HF files."""
+    """The model on the meta device, sharded with FSDP2 under torchrun; then each rank fills its own rows of weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # the mesh of the run's device type: fully_shard's default follows the accelerator, not the process group
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),)) if dist.is_initialized() else None
+    mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),)) if dist.is_initialized() else None
     with torch.device("meta"):
         model = GPT(model_config)
     model.activation_checkpointing = cfg.activation_checkpointing  # per block, inside FSDP's and compile's wrapping
@@ -705,12 +660,17 @@ def build_model(model_config, init, cfg, device):
         init_sharded(model, source)
     elif kind == "hf":
         load_hf_sharded(model, source)
+    elif kind == "checkpoint":  # init_from another run: its weights, a fresh optimizer
+        try:
+            load_weights(source, model)
+        except (ValueError, dcp.CheckpointException, RuntimeError) as e:  # damaged although its files look complete
+            raise ValueError(f"init_from {source}: the checkpoint does not load: {str(e).strip().splitlines()[0]}") \
+                from None
     return model
 
 
 def memory_plan(model_config, cfg, world_size, device):
-    """(text, GiB) of what one rank will hold at its peak, and what to change when it will not fit. Activations: ~34 x
-    tokens x n_embd bytes per layer in 16-bit (Korthikanti et al. 2022), only block inputs when checkpointing."""
+    """(text, GiB) of one rank's peak; activations ~34 x tokens x n_embd bytes a layer in 16-bit (Korthikanti 2022)."""
     with torch.device("meta"):
         model = GPT(model_config)
     n = sum(p.numel() for p in model.parameters())
@@ -719,36 +679,32 @@ def memory_plan(model_config, cfg, world_size, device):
     act_bytes = 2 if cfg.dtype == "bfloat16" else 4
     accumulating = cfg.global_batch_size > cfg.local_batch_size * world_size
     tokens = cfg.local_batch_size * cfg.seq_length
-    vocab = model_config.padded_vocab_size or model_config.vocab_size
+    vocab, L = model_config.padded_vocab_size or model_config.vocab_size, model_config.n_layer
     parts = {
         "parameters": 4 * n / world_size, "gradients": 4 * n / world_size, "optimizer": 8 * n / world_size,
         # FSDP2 accumulates unsharded fp32 gradients between reductions; it gathers two blocks at a time
         "FSDP2 gradient accumulators": 4 * n if sharded and accumulating else 0,
         "FSDP2 gathered blocks": 2 * act_bytes * n_block if sharded else 0,
         "autocast copies": 2 * n if not sharded and cfg.dtype == "bfloat16" else 0,
-        "activations": (1 if cfg.activation_checkpointing else 17) * act_bytes * tokens * model_config.n_embd
-        * model_config.n_layer,
-        "loss head chunk": 3 * min(tokens, LOSS_CHUNK_ROWS.get(device.type, 1024)) * vocab * 4,
-    }
+        "activations": (1 if cfg.activation_checkpointing else 17) * act_bytes * tokens * model_config.n_embd * L,
+        "loss head chunk": 3 * min(tokens, LOSS_CHUNK_ROWS.get(device.type, 1024)) * vocab * 4}
     total = sum(parts.values()) / gib
     free = torch.cuda.mem_get_info(device)[0] / gib if device.type == "cuda" else None
     plan = (f"memory plan per rank ({world_size} rank(s), {cfg.dtype}, micro-batch {tokens:,} tokens): "
             + ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items() if size)
             + f"; total ~{total:.2f} GiB (estimated); device free " + (f"{free:.1f} GiB" if free else "n/a (CPU)"))
     if free is not None and total > 0.9 * free:
-        plan += ("\nWARNING: this may not fit: lower local_batch_size"
-                 + ("" if cfg.activation_checkpointing else " or set activation_checkpointing=True")
-                 + ", or use more ranks")
+        more = "" if cfg.activation_checkpointing else " or set activation_checkpointing=True"
+        plan += f"\nWARNING: this may not fit: lower local_batch_size{more}, or use more ranks"
     return plan, total
 
 
 def build_optimizer(model, cfg, device):
     """AdamW with weight decay on the 2-D parameters (matmul weights and embeddings) only, as GPT-2 recipes do."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [dict(params=decay, weight_decay=cfg.weight_decay), dict(params=no_decay, weight_decay=0.0)],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, fused=device.type == "cuda")
+    groups = [dict(params=[p for p in model.parameters() if p.dim() >= 2], weight_decay=cfg.weight_decay),
+              dict(params=[p for p in model.parameters() if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                             fused=device.type == "cuda")
 
 
 def lr_at(step, cfg):
@@ -761,9 +717,7 @@ def lr_at(step, cfg):
 
 def peak_flops(device):
     """Dense bf16 FLOP/s of one `device` from PEAK_BF16_TFLOPS, or None (CPU, unknown GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
 
 
@@ -771,8 +725,7 @@ def peak_flops(device):
 # data and evaluation
 
 def build_data(cfg, log):
-    """(train_data, val_data): Megatron's GPTDataset samples (None under eval_only; past one epoch of an unweighted
-    list, Megatron's limit, the prefixes blended by tokens), and llm.c's val windows or Megatron's validation split."""
+    """(train_data, val_data): Megatron's GPTDataset samples (None under eval_only) and the validation windows."""
     train_data = val_data = None
     num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
     common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0),
@@ -791,7 +744,7 @@ def build_data(cfg, log):
         elif len(train_data) < num_samples:
             log(f"{paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes are "
                 f"blended by token count, each repeated in whole epochs")
-            paths = token_weighted_blend(paths)
+            paths = token_weighted_blend(paths)  # past one epoch of an unweighted list, Megatron's limit
             train_data, _, _ = build_gpt_datasets(paths, **common)
         prefixes, weights = resolve_blend(paths)
         if weights is not None:  # said at every start: the dataset cache only says it when it builds the blend
@@ -810,8 +763,7 @@ def build_data(cfg, log):
 
 
 def host_batch(dataset, indices, vocab_size, pin):
-    """Samples `indices` stacked into (tokens, labels) on the host (pinned if `pin`); a token id outside the vocabulary
-    (bit rot in a .bin) is named here, where on a GPU it would be a device-side assert that ends every rank."""
+    """Samples `indices` as (tokens, labels) on the host; an id outside the vocabulary named here, not a GPU assert."""
     samples = [dataset[i] for i in indices]
     tokens, labels = np.stack([s["tokens"] for s in samples]), np.stack([s["labels"] for s in samples])
     top = np.maximum(tokens.max(axis=1), labels.max(axis=1))  # on the host: no device sync
@@ -827,19 +779,17 @@ class Prefetcher:
     """The next steps' micro-batches read, stacked and pinned in a background thread, in the sampler's order."""
 
     def __init__(self, dataset, sampler, grad_accum_steps, vocab_size, device, depth=2):
-        self.device = device
-        self.queue = queue.Queue(maxsize=depth)
-        self.thread = threading.Thread(target=self.produce, args=(dataset, sampler, grad_accum_steps, vocab_size),
-                                       daemon=True)
-        self.thread.start()
+        self.device, self.queue = device, queue.Queue(maxsize=depth)
 
-    def produce(self, dataset, sampler, grad_accum_steps, vocab_size):
-        pin = self.device.type == "cuda"
-        try:
-            while True:
-                self.queue.put([host_batch(dataset, next(sampler), vocab_size, pin) for _ in range(grad_accum_steps)])
-        except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
-            self.queue.put(e)
+        def produce():
+            try:
+                while True:
+                    self.queue.put([host_batch(dataset, next(sampler), vocab_size, device.type == "cuda")
+                                    for _ in range(grad_accum_steps)])
+            except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
+                self.queue.put(e)
+
+        threading.Thread(target=produce, daemon=True).start()
 
     def next(self):
         item = self.queue.get()
@@ -850,13 +800,13 @@ class Prefetcher:
 
 
 class Evaluator:
-    """Validation loss, HellaSwag and a sample at step s, before its update (s:0 the initial model, HellaSwag and
-    samples there only under eval_only). Every rank takes part."""
+    """Validation loss, HellaSwag and a sample before step s's update (HellaSwag and samples at s:0 under eval_only)."""
 
-    def __init__(self, cfg, val_data, vocab_size, device, autocast_dtype, log):
-        self.cfg, self.val_data, self.device, self.autocast_dtype, self.log = cfg, val_data, device, autocast_dtype, log
-        self.vocab_size = vocab_size
-        self.autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    def __init__(self, cfg, val_data, vocab_size, device, log):
+        self.cfg, self.val_data, self.vocab_size, self.device, self.log = cfg, val_data, vocab_size, device, log
+        # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
+        self.autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
+        self.autocast = torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
         self.sample_tokens = cfg.sample_tokens if vocab_size == VOCAB_SIZE else 0
         if cfg.sample_tokens and not self.sample_tokens:
             log(f"sample_tokens ignored: the vocabulary ({vocab_size} tokens) is not GPT-2's")
@@ -868,48 +818,35 @@ class Evaluator:
             on_rank0(lambda: len(hellaswag.load_examples(path)))  # downloaded once, by rank 0
             self.hellaswag = hellaswag.render_all(hellaswag.load_examples(path))  # tokenized once per run
 
-    @torch.no_grad()
-    def validation_loss(self, model, stopped):
-        """Mean loss per token over every window: rank r scores windows r, r + W, ..., each rank in as many forwards
-        (a sharded model's forward is collective). None when a stop was requested."""
+    def __call__(self, model, step, stop):
+        """Whether the evaluation ran to its end (False: a stop was requested during it)."""
+        cfg, log, stopped = self.cfg, self.log, lambda: any_rank(stop.signal is not None)
         rank, world_size = rank_and_world_size()
-        n, batch_size = len(self.val_data), self.cfg.local_batch_size
-        mine = list(range(rank, n, world_size))
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
-        model.eval()
-        try:
-            for b in range(math.ceil(math.ceil(n / world_size) / batch_size)):
+        head, batch_size = f"step {step:5d}/{cfg.max_steps} |", cfg.local_batch_size
+        if self.val_data is not None:
+            # rank r scores windows r, r + W, ..., every rank in as many forwards (a sharded forward is collective);
+            # the model has no dropout or other train-only behaviour: no eval()/train() switch
+            t0, mine = time.perf_counter(), list(range(rank, len(self.val_data), world_size))
+            totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+            for b in range(math.ceil(len(self.val_data) / (world_size * batch_size))):
                 if stopped():  # between batches: a stop never waits behind an evaluation
-                    return None
+                    return False
                 indices = mine[b * batch_size:(b + 1) * batch_size]
                 batch = host_batch(self.val_data, indices or [0], self.vocab_size, False)
                 tokens, labels = (t.to(self.device) for t in batch)
-                with self.autocast:
+                with torch.no_grad(), self.autocast:
                     _, loss = model(tokens, labels)
                 if indices:
                     totals[0] += loss.double() * labels.numel()
                     totals[1] += labels.numel()
-        finally:
-            model.train()
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        return (totals[0] / totals[1]).item()
-
-    def __call__(self, model, step, stop):
-        """Whether the evaluation ran to its end (False: a stop was requested during it)."""
-        cfg, log, stopped = self.cfg, self.log, lambda: any_rank(stop.signal is not None)
-        head = f"step {step:5d}/{cfg.max_steps} |"
-        if self.val_data is not None:
-            t0 = time.perf_counter()
-            val_loss = self.validation_loss(model, stopped)
-            if val_loss is None:
-                return False
+            if dist.is_initialized():
+                dist.all_reduce(totals)
+            val_loss = (totals[0] / totals[1]).item()
             if not math.isfinite(val_loss):
                 raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped, state not saved")
             log(f"{head} val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s", f"s:{step} tel:{val_loss:.4f}",
                 step=step, val_loss=val_loss)
         if self.hellaswag is not None and (step > 0 or cfg.eval_only):
-            rank, world_size = rank_and_world_size()
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
                                         autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit, stopped=stopped)
             if result is None:
@@ -929,8 +866,7 @@ class Evaluator:
 # the training loop
 
 class StopRequest:
-    """Remembers SIGTERM/SIGINT so the loop can checkpoint and exit 128 + signum; a second signal gets the previous
-    handler (Ctrl-C twice interrupts at once)."""
+    """SIGTERM/SIGINT remembered to checkpoint and exit 128 + signum; a second one interrupts at once."""
 
     def __init__(self):
         self.signal = self.time = None
@@ -946,19 +882,21 @@ class StopRequest:
 
 
 class RunLog:
-    """On rank 0: a console line, a main.log line (llm.c's format, read by its vislog), a metrics.jsonl record and,
-    with wandb_log, the same record in Weights & Biases."""
+    """On rank 0: a console line, a main.log line (llm.c's format), a metrics.jsonl record (and wandb's)."""
 
     def __init__(self, out_dir):
         self.out_dir, self.master, self.wandb = out_dir, is_master(), None
 
-    def start_wandb(self, cfg, resumed):
-        """One wandb run per out_dir: its id is kept in out_dir/wandb_run_id, so a resumed run continues it."""
-        if not (self.master and cfg.wandb_log):
+    def start(self, cfg, resumed):
+        """On rank 0, once the config is accepted: train_config.json and, with wandb_log, the out_dir's wandb run."""
+        with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        if not cfg.wandb_log:
             return
         import wandb
         id_path = os.path.join(cfg.out_dir, "wandb_run_id")
-        run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else uuid.uuid4().hex[:8]
+        run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else os.urandom(4).hex()
         with atomic_write(id_path, "w") as f:
             f.write(run_id)
         self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=cfg.out_dir,
@@ -969,8 +907,7 @@ class RunLog:
     def __call__(self, text, main_log=None, **metrics):
         if not self.master:
             return
-        if text:
-            print(text, flush=True)
+        print(text, flush=True)
         if main_log:
             with open(os.path.join(self.out_dir, "main.log"), "a") as f:
                 f.write(main_log + "\n")
@@ -986,8 +923,7 @@ class RunLog:
 
 
 def peak_memory(device, reset=False):
-    """(GiB, label) of the peak memory since the last reset, without waiting for the device: the CUDA allocator's
-    high-water mark, or the peak resident set size (VmHWM; writing 5 to clear_refs resets it)."""
+    """(GiB, label) of the peak since the last reset: CUDA's high-water mark, or VmHWM (5 to clear_refs resets it)."""
     if device.type == "cuda":
         if reset:
             torch.cuda.reset_peak_memory_stats(device)
@@ -1000,8 +936,7 @@ def peak_memory(device, reset=False):
 
 
 class StepLog:
-    """Each step's loss, grad norm and stop flag stay on the device, copied to the host asynchronously and read once
-    per log_every_steps steps, one step late: the host never waits for the device. Times are CUDA events on a GPU."""
+    """Each step's loss, grad norm and stop flag, copied to the host asynchronously and read a step late."""
 
     def __init__(self, cfg, log, device, model):
         self.cfg, self.log, self.device = cfg, log, device
@@ -1013,8 +948,7 @@ class StepLog:
             + (f"{peak / 1e12:.0f} TFLOP/s per GPU" if peak else "unknown (MFU n/a)"))
         self.pending = []  # (step, lr, host stats, start, end, peak GiB): start/end are CUDA events or host times
         self.recent = []  # (end, host stats) of the steps the stop flag is read from: a GPU's last two, a CPU's last
-        self.stop_flag = torch.zeros((), device=device)
-        self.run_peak_gib = 0.0
+        self.stop_flag, self.run_peak_gib = torch.zeros((), device=device), 0.0
 
     def clock(self):
         if not self.cuda:
@@ -1028,7 +962,8 @@ class StepLog:
         self.start = self.clock()
 
     def end_step(self, step, lr, loss, norm, stop):
-        """Queue the step's numbers: all-reduced over ranks, copied to the host without waiting."""
+        """Queue the step's numbers (all-reduced, copied to the host without waiting); whether a rank was asked to stop,
+        agreed by all from numbers the host has: a GPU's previous step (not the one just queued), a CPU's this one."""
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's norm is a DTensor
         self.stop_flag.fill_(float(stop.signal is not None))
         stats = torch.stack([loss, norm.float(), self.stop_flag])
@@ -1041,10 +976,6 @@ class StepLog:
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
         self.recent = (self.recent + [(end, host)])[-2 if self.cuda else -1:]
-
-    def stop_requested(self, stop):
-        """Whether a rank was asked to stop, agreed by every rank at every step from numbers the host already has: on
-        a GPU the previous step's (the host never waits for the step it just queued), on a CPU this step's."""
         if self.world_size == 1:
             return stop.signal is not None
         if self.cuda and len(self.recent) < 2:
@@ -1078,24 +1009,10 @@ class StepLog:
                      consumed_samples=(step + 1) * self.cfg.global_batch_size)
 
 
-def forward_backward(model, batches, autocast):
-    """Gradients of the mean loss over `batches` (one per micro-step) in the model; returns that mean, on device."""
-    loss_sum = torch.zeros((), device=batches[0][0].device)
-    for micro_step, (tokens, labels) in enumerate(batches):
-        if dist.is_initialized():  # reduce-scatter gradients once per step, not once per micro-batch
-            model.set_requires_gradient_sync(micro_step == len(batches) - 1)
-        with autocast:
-            _, loss = model(tokens, labels)
-        (loss / len(batches)).backward()
-        loss_sum += loss.detach()
-    return loss_sum / len(batches)
-
-
 def setup(cfg, world_size, device, log, stop):
-    """Everything the loop needs, in the order it must happen: out_dir, data, model, optimizer, resume, evaluation;
-    None when there is nothing to train (the run is complete, or eval_only has evaluated)."""
+    """out_dir, data, model, optimizer, resume, evaluation, in that order; None when nothing is left to train."""
     resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir))
-    if on_rank0(lambda: already_complete(cfg, resume_path)):
+    if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
         log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
         return None
     train_data, val_data = build_data(cfg, log)
@@ -1110,22 +1027,11 @@ def setup(cfg, world_size, device, log, stop):
     plan, plan_gib = memory_plan(model_config, cfg, world_size, device)
     log(plan, memory_plan_gib=plan_gib, memory_baseline_gib=peak_memory(device, reset=True)[0])
     model = build_model(model_config, init, cfg, device)
-    if init[0] == "checkpoint" and resume_path is None:  # init_from another run: its weights, a fresh optimizer
-        try:
-            load_weights(init[1], model)
-        except (ValueError, CheckpointException, RuntimeError) as e:  # damaged although its files look complete
-            raise ValueError(f"init_from {init[1]}: the checkpoint does not load: {str(e).strip().splitlines()[0]}") \
-                from None
     optimizer = build_optimizer(model, cfg, device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # cuDNN allows TF32 by default
     data = {} if train_data is None else data_state(train_data)
     step = 0 if resume_path is None else resume(resume_path, model, optimizer, cfg, data, log)
-    on_rank0(lambda: write_run_config(cfg))
-    log.start_wandb(cfg, resumed=resume_path is not None)
-    # bf16 on one device is autocast; sharded, FSDP's mixed-precision policy already computes in bf16
-    autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not dist.is_initialized() else None
-    evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, autocast_dtype, log)
+    on_rank0(lambda: log.start(cfg, resumed=resume_path is not None))
+    evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)
     if cfg.eval_only:
         evaluate(model, step, stop)
@@ -1133,65 +1039,64 @@ def setup(cfg, world_size, device, log, stop):
     return model, optimizer, step, train_data, evaluate, step_log, data
 
 
-def train(cfg, rank, world_size, device):
-    log, stop = RunLog(cfg.out_dir), StopRequest()
-    try:
-        state = setup(cfg, world_size, device, log, stop)
-        if state is None:
-            return 0
-        model, optimizer, step, train_data, evaluate, step_log, data = state
-        grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
-        sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
-                                          cfg.local_batch_size, rank, world_size))
-        batches = Prefetcher(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
-
-        def save(done, stopping=False):
-            t0 = time.perf_counter()
-            train_state = dict(step=done, consumed_samples=done * cfg.global_batch_size, world_size=world_size,
-                               model_config=dataclasses.asdict(model.config), config=dataclasses.asdict(cfg),
-                               **data)
-            path = save_checkpoint(cfg, model, optimizer, train_state)
-            log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-            if stopping:  # exit 128 + signum (143 for SIGTERM), also on ranks that only heard of it
-                since = f", {time.perf_counter() - stop.time:.1f} s after the signal" if stop.time else ""
-                log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
-                return 128 + (stop.signal or signal.SIGTERM)
-
-        for step in range(step, cfg.max_steps + 1):
-            last_step = step == cfg.max_steps
-            if step % cfg.val_every_steps == 0 or last_step:
-                step_log.flush(keep_last=False)
-                if not evaluate(model, step, stop):  # a stop request came during the evaluation
-                    return save(step, stopping=True)
-            if last_step:
-                break
-
-            # one optimizer step over global_batch_size sequences; nothing here waits for the device
-            step_log.start_step()
-            lr = lr_at(step, cfg)
-            loss = forward_backward(model, batches.next(), evaluate.autocast)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_log.end_step(step, lr, loss, norm, stop)
-
-            done = step + 1
-            checkpoint_due = done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0)
-            stop_requested = step_log.stop_requested(stop)
-            if checkpoint_due or stop_requested or done % cfg.log_every_steps == 0:
-                # before a checkpoint every number is read, so a non-finite step is never saved
-                step_log.flush(keep_last=not (checkpoint_due or stop_requested))
-            if checkpoint_due or stop_requested:
-                status = save(done, stopping=stop_requested)
-                if stop_requested:
-                    return status
-        publish_hf(model, cfg)
+def train(cfg, rank, world_size, device, log, stop):
+    state = setup(cfg, world_size, device, log, stop)
+    if state is None:
         return 0
-    finally:
-        stop.restore()
-        log.close()
+    model, optimizer, step, train_data, evaluate, step_log, data = state
+    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
+    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
+                                      cfg.local_batch_size, rank, world_size))
+    batches = Prefetcher(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
+
+    def save(done, stopping=False):
+        t0 = time.perf_counter()
+        path = save_checkpoint(cfg, model, optimizer, done, data)
+        log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+        if stopping:  # exit 128 + signum (143 for SIGTERM), also on ranks that only heard of it
+            since = f", {time.perf_counter() - stop.time:.1f} s after the signal" if stop.time else ""
+            log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
+            return 128 + (stop.signal or signal.SIGTERM)
+
+    for step in range(step, cfg.max_steps + 1):
+        last_step = step == cfg.max_steps
+        if step % cfg.val_every_steps == 0 or last_step:
+            step_log.flush(keep_last=False)
+            if not evaluate(model, step, stop):  # a stop request came during the evaluation
+                return save(step, stopping=True)
+        if last_step:
+            break
+
+        # one optimizer step over global_batch_size sequences; nothing here waits for the device
+        step_log.start_step()
+        lr = lr_at(step, cfg)
+        micro_batches, loss_sum = batches.next(), torch.zeros((), device=device)
+        for micro_step, (tokens, labels) in enumerate(micro_batches):
+            if dist.is_initialized():  # reduce-scatter gradients once per step, not once per micro-batch
+                model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
+            with evaluate.autocast:
+                _, micro_loss = model(tokens, labels)
+            (micro_loss / grad_accum_steps).backward()
+            loss_sum += micro_loss.detach()
+        loss = loss_sum / grad_accum_steps
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stop_requested = step_log.end_step(step, lr, loss, norm, stop)
+
+        done = step + 1
+        checkpoint_due = done == cfg.max_steps or (cfg.ckpt_every_steps and done % cfg.ckpt_every_steps == 0)
+        if checkpoint_due or stop_requested or done % cfg.log_every_steps == 0:
+            # before a checkpoint every number is read, so a non-finite step is never saved
+            step_log.flush(keep_last=not (checkpoint_due or stop_requested))
+        if checkpoint_due or stop_requested:
+            status = save(done, stopping=stop_requested)
+            if stop_requested:
+                return status
+    publish_hf(model, cfg)
+    return 0
 
 
 def main(argv=None):
@@ -1201,9 +1106,12 @@ def main(argv=None):
 
 def run(cfg):
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
+    log, stop = RunLog(cfg.out_dir), StopRequest()
     try:
-        return train(cfg, rank, world_size, device)
+        return train(cfg, rank, world_size, device, log, stop)
     finally:
+        stop.restore()
+        log.close()
         while LOCKS:
             os.close(LOCKS.pop())  # closing the only descriptor drops the flock
         if dist.is_initialized():
@@ -1225,12 +1133,17 @@ def cli(argv=None):
         sys.exit(f"train_gpt2.py: error: {e}" if int(os.environ.get("RANK", 0)) == 0 else 1)
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        status = run(cfg)
+        sys.exit(run(cfg))
     except (ValueError, FloatingPointError) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
     except OSError as e:  # a file or directory the run cannot use: full disk, read-only, a file in the path
-        sys.exit(f"{prefix}train_gpt2.py: error: {os_error_message(e)}")
-    sys.exit(status)
+        space, write = "free some space or choose another out_dir", "choose a directory you can write to"
+        not_dir = "a part of the path is a file, not a directory; choose another path"
+        hints = {errno.ENOSPC: space, errno.EDQUOT: space, errno.EACCES: write, errno.EPERM: write,
+                 errno.EROFS: "the filesystem is read-only; choose another directory", errno.ENOTDIR: not_dir,
+                 errno.EEXIST: not_dir, errno.ENOENT: "check the path"}
+        text = f"{e.filename}: {e.strerror or e}" if e.filename is not None else e.strerror or str(e)
+        sys.exit(f"{prefix}train_gpt2.py: error: {text}" + (f"; {hints[e.errno]}" if e.errno in hints else ""))
 
 
 if __name__ == "__main__":
