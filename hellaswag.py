@@ -114,19 +114,15 @@ def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=No
     # similar lengths in one batch waste less compute on padding; the order does not change the counts
     mine = sorted(rendered[rank::world_size], key=lambda ex: len(ex.context) + max(len(e) for e in ex.endings))
     num_batches = math.ceil(math.ceil(len(rendered) / world_size) / batch_size)  # the same on every rank
-    was_training = model.training
-    model.eval()
     counts = torch.tensor([0, 0, len(mine)], device=device)  # right by mean, by sum; scored. No sync per batch
     for b in tqdm(range(num_batches), desc="hellaswag", unit="batch", disable=not (progress and rank == 0)):
         if stopped is not None and stopped():
-            model.train(was_training)
             return None
         chunk = mine[b * batch_size:(b + 1) * batch_size]
         # a rank out of examples runs a forward anyway (FSDP gathers weights collectively); label -1 counts nothing
         sums, means = ending_losses(model, chunk or rendered[:1], device=device, autocast_dtype=autocast_dtype)
         labels = torch.tensor([ex.label for ex in chunk] or [-1], device=device)
         counts[:2] += (torch.stack([means, sums]).argmin(dim=2) == labels).sum(dim=1)
-    model.train(was_training)
     if world_size > 1:
         dist.all_reduce(counts)
     by_mean, by_sum, total = counts.tolist()

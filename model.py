@@ -217,7 +217,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """idx (B, T) and max_new_tokens sampled tokens, temperature 0 (or top_k=1) greedy. Call model.eval() first."""
+        """idx (B, T) plus max_new_tokens sampled tokens, temperature 0 (or top_k=1) greedy; no dropout, no eval()."""
         if temperature < 0 or (top_k is not None and top_k < 1):
             raise ValueError(f"temperature must be >= 0 and top_k None or >= 1, got {temperature} and {top_k}")
         for _ in range(max_new_tokens):

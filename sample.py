@@ -16,18 +16,15 @@ from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
 @torch.no_grad()
 def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperature=1.0, top_k=None, seed=1337,
                  device="cpu"):
-    """Continuations of `prompt`, prompt in front, reproducible by `seed`; the caller's RNG and model mode are kept."""
+    """Continuations of `prompt`, prompt in front, reproducible by `seed`; the caller's RNG is kept."""
     if model.config.vocab_size != VOCAB_SIZE:
         raise ValueError(f"the model's vocabulary has {model.config.vocab_size} tokens, not GPT-2's {VOCAB_SIZE}")
     enc = gpt2_encoding()
     start = enc.encode_ordinary(prompt) or [EOT_ID]  # an empty prompt starts a document, as in the training data
     idx = torch.tensor([start] * num_samples, dtype=torch.long, device=device)
-    was_training = model.training
-    model.eval()
     with torch.random.fork_rng(devices=[idx.device] if idx.device.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
-    model.train(was_training)
     return [prompt + enc.decode(row[len(start):].tolist()) for row in out]
 
 
