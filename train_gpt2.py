@@ -409,8 +409,7 @@ def prepare_out_dir(out_dir):
 # -----------------------------------------------------------------------------
 # checkpoints (model.py reads them: complete_checkpoints, newest_usable_checkpoint, load_model)
 
-def last_good_checkpoint(out_dir):
-    """Where a run stopped for non-finite numbers can be taken up again."""
+def last_good_checkpoint(out_dir):  # where a run stopped for non-finite numbers can be taken up again
     kept = complete_checkpoints(os.path.join(out_dir, "ckpt"))
     return "The last good checkpoint is " + (kept[-1] if kept else "none (none was written)")
 
@@ -497,8 +496,7 @@ def save_checkpoint(cfg, model, optimizer, step, data):
 
 
 def load_checkpoint(ckpt_path, model, optimizer):
-    """Load model, optimizer and RNG states (resharded); return train_state.json. One failing on any rank is set aside
-    by all and the next older one tried (DCP's load is collective)."""
+    """Load model, optimizer and RNG states (resharded): train_state.json; one failing on any rank is set aside."""
     older = [path for path in reversed(complete_checkpoints(os.path.dirname(ckpt_path))) if path < ckpt_path]
     for path in [ckpt_path] + broadcast_object(older):
         error = None
@@ -612,8 +610,7 @@ def publish_hf(model, cfg):
 # model and optimizer
 
 def starting_point(cfg, resume_path):
-    """(GPTConfig, (kind, source)): the architecture and where the first weights come from (resume, checkpoint, hf,
-    seed). padded_vocab_size applies to HF weights; a checkpoint keeps its own."""
+    """(GPTConfig, (kind, source)) of the first weights: resume, checkpoint, hf (padded_vocab_size applies) or seed."""
     if resume_path is not None:
         model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
         keys = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size")
@@ -775,28 +772,23 @@ def host_batch(dataset, indices, vocab_size, pin):
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 
 
-class Prefetcher:
-    """The next steps' micro-batches read, stacked and pinned in a background thread, in the sampler's order."""
+def prefetched(dataset, sampler, grad_accum_steps, vocab_size, device, depth=2):
+    """Each step's micro-batches on `device`, read, stacked and pinned ahead by a thread, in the sampler's order."""
+    ready = queue.Queue(maxsize=depth)
 
-    def __init__(self, dataset, sampler, grad_accum_steps, vocab_size, device, depth=2):
-        self.device, self.queue = device, queue.Queue(maxsize=depth)
+    def produce():
+        try:
+            while True:
+                ready.put([host_batch(dataset, next(sampler), vocab_size, device.type == "cuda")
+                           for _ in range(grad_accum_steps)])
+        except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
+            ready.put(e)
 
-        def produce():
-            try:
-                while True:
-                    self.queue.put([host_batch(dataset, next(sampler), vocab_size, device.type == "cuda")
-                                    for _ in range(grad_accum_steps)])
-            except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
-                self.queue.put(e)
-
-        threading.Thread(target=produce, daemon=True).start()
-
-    def next(self):
-        item = self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
+    threading.Thread(target=produce, daemon=True).start()
+    while not isinstance(item := ready.get(), BaseException):
         # from pinned memory the copy does not wait: the stream orders it before the forward that reads it
-        return [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in item]
+        yield [tuple(t.to(device, non_blocking=True) for t in batch) for batch in item]
+    raise item
 
 
 class Evaluator:
@@ -917,10 +909,6 @@ class RunLog:
             if self.wandb is not None:
                 self.wandb.log(metrics)
 
-    def close(self):
-        if self.wandb is not None:
-            self.wandb.finish()
-
 
 def peak_memory(device, reset=False):
     """(GiB, label) of the peak since the last reset: CUDA's high-water mark, or VmHWM (5 to clear_refs resets it)."""
@@ -962,8 +950,7 @@ class StepLog:
         self.start = self.clock()
 
     def end_step(self, step, lr, loss, norm, stop):
-        """Queue the step's numbers (all-reduced, copied to the host without waiting); whether a rank was asked to stop,
-        agreed by all from numbers the host has: a GPU's previous step (not the one just queued), a CPU's this one."""
+        """Queue the step's numbers for the host; whether any rank asked to stop (a GPU's last step, a CPU's this)."""
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded model's norm is a DTensor
         self.stop_flag.fill_(float(stop.signal is not None))
         stats = torch.stack([loss, norm.float(), self.stop_flag])
@@ -1047,7 +1034,7 @@ def train(cfg, rank, world_size, device, log, stop):
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
                                       cfg.local_batch_size, rank, world_size))
-    batches = Prefetcher(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
+    batches = prefetched(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
 
     def save(done, stopping=False):
         t0 = time.perf_counter()
@@ -1070,7 +1057,7 @@ def train(cfg, rank, world_size, device, log, stop):
         # one optimizer step over global_batch_size sequences; nothing here waits for the device
         step_log.start_step()
         lr = lr_at(step, cfg)
-        micro_batches, loss_sum = batches.next(), torch.zeros((), device=device)
+        micro_batches, loss_sum = next(batches), torch.zeros((), device=device)
         for micro_step, (tokens, labels) in enumerate(micro_batches):
             if dist.is_initialized():  # reduce-scatter gradients once per step, not once per micro-batch
                 model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
@@ -1111,7 +1098,8 @@ def run(cfg):
         return train(cfg, rank, world_size, device, log, stop)
     finally:
         stop.restore()
-        log.close()
+        if log.wandb is not None:
+            log.wandb.finish()
         while LOCKS:
             os.close(LOCKS.pop())  # closing the only descriptor drops the flock
         if dist.is_initialized():
