@@ -21,6 +21,7 @@ import math
 import os
 import queue
 import random
+import resource
 import shutil
 import signal
 import sys
@@ -315,7 +316,6 @@ def barrier():
 
 
 def broadcast_object(obj):
-    """Rank 0's `obj` on every rank."""
     box = [obj]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
@@ -772,23 +772,19 @@ def host_batch(dataset, indices, vocab_size, pin):
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 
 
-def prefetched(dataset, sampler, grad_accum_steps, vocab_size, device, depth=2):
-    """Each step's micro-batches on `device`, read, stacked and pinned ahead by a thread, in the sampler's order."""
+def prefetch(dataset, sampler, grad_accum_steps, vocab_size, pin, depth=2):
+    """A queue of each step's host micro-batches, read ahead by a thread started now; last, what ended the thread."""
     ready = queue.Queue(maxsize=depth)
 
     def produce():
         try:
             while True:
-                ready.put([host_batch(dataset, next(sampler), vocab_size, device.type == "cuda")
-                           for _ in range(grad_accum_steps)])
-        except BaseException as e:  # StopIteration at the end of the data too: handed to the consumer
+                ready.put([host_batch(dataset, next(sampler), vocab_size, pin) for _ in range(grad_accum_steps)])
+        except BaseException as e:
             ready.put(e)
 
     threading.Thread(target=produce, daemon=True).start()
-    while not isinstance(item := ready.get(), BaseException):
-        # from pinned memory the copy does not wait: the stream orders it before the forward that reads it
-        yield [tuple(t.to(device, non_blocking=True) for t in batch) for batch in item]
-    raise item
+    return ready
 
 
 class Evaluator:
@@ -816,16 +812,15 @@ class Evaluator:
         rank, world_size = rank_and_world_size()
         head, batch_size = f"step {step:5d}/{cfg.max_steps} |", cfg.local_batch_size
         if self.val_data is not None:
-            # rank r scores windows r, r + W, ..., every rank in as many forwards (a sharded forward is collective);
-            # the model has no dropout or other train-only behaviour: no eval()/train() switch
+            # rank r scores windows r, r + W, ..., every rank in as many forwards (a sharded forward is collective)
             t0, mine = time.perf_counter(), list(range(rank, len(self.val_data), world_size))
             totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
             for b in range(math.ceil(len(self.val_data) / (world_size * batch_size))):
                 if stopped():  # between batches: a stop never waits behind an evaluation
                     return False
                 indices = mine[b * batch_size:(b + 1) * batch_size]
-                batch = host_batch(self.val_data, indices or [0], self.vocab_size, False)
-                tokens, labels = (t.to(self.device) for t in batch)
+                batch = host_batch(self.val_data, indices or [0], self.vocab_size, self.device.type == "cuda")
+                tokens, labels = (t.to(self.device, non_blocking=True) for t in batch)
                 with torch.no_grad(), self.autocast:
                     _, loss = model(tokens, labels)
                 if indices:
@@ -916,11 +911,14 @@ def peak_memory(device, reset=False):
         if reset:
             torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
-    if reset:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20, "rss"
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20, "rss"
+    except (OSError, StopIteration):  # no /proc here (some sandboxes): the peak since the process began
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
 
 
 class StepLog:
@@ -1034,7 +1032,7 @@ def train(cfg, rank, world_size, device, log, stop):
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
                                       cfg.local_batch_size, rank, world_size))
-    batches = prefetched(train_data, sampler, grad_accum_steps, model.config.vocab_size, device)
+    batches = prefetch(train_data, sampler, grad_accum_steps, model.config.vocab_size, device.type == "cuda")
 
     def save(done, stopping=False):
         t0 = time.perf_counter()
@@ -1057,8 +1055,11 @@ def train(cfg, rank, world_size, device, log, stop):
         # one optimizer step over global_batch_size sequences; nothing here waits for the device
         step_log.start_step()
         lr = lr_at(step, cfg)
-        micro_batches, loss_sum = next(batches), torch.zeros((), device=device)
-        for micro_step, (tokens, labels) in enumerate(micro_batches):
+        if isinstance(step_batches := batches.get(), BaseException):  # e.g. a token id outside the vocabulary
+            raise step_batches
+        loss_sum = torch.zeros((), device=device)
+        for micro_step, batch in enumerate(step_batches):
+            tokens, labels = (t.to(device, non_blocking=True) for t in batch)  # pinned: the copy does not wait
             if dist.is_initialized():  # reduce-scatter gradients once per step, not once per micro-batch
                 model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
             with evaluate.autocast:
