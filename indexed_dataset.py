@@ -374,8 +374,8 @@ def cached(cache_dir, name, key, build):
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
             raise WriteError(error.errno, error.strerror, cache_dir) from None
-        for array, values in arrays.items():
-            with atomic_write(f"{base}-{array}.npy") as f:
+        for array_name, values in arrays.items():
+            with atomic_write(f"{base}-{array_name}.npy") as f:
                 np.save(f, values)
         with atomic_write(base + ".json", "w") as f:
             json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
