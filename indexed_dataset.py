@@ -541,7 +541,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     def build():
         for dataset, directory in zip(datasets, dirs):  # the index check, remembered for these very files
             key = {"format": CACHE_FORMAT, "class": "IndexCheck", "source": dataset.fingerprint}
-            cached(directory, "IndexedDataset-checked", key, lambda: dataset.check() or {})
+            cached(directory, "IndexedDataset-checked", key, lambda dataset=dataset: dataset.check() or {})
         return tuple(split_dataset(i) for i in range(3))
 
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):

@@ -1028,9 +1028,9 @@ def train(cfg, rank, world_size, device, log, stop):
     state = setup(cfg, world_size, device, log, stop)
     if state is None:
         return 0
-    model, optimizer, step, train_data, evaluate, step_log, data = state
+    model, optimizer, start_step, train_data, evaluate, step_log, data = state
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
-    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
+    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, start_step * cfg.global_batch_size,
                                       cfg.local_batch_size, rank, world_size))
     batches = prefetch(train_data, sampler, grad_accum_steps, model.config.vocab_size, device.type == "cuda")
 
@@ -1043,7 +1043,7 @@ def train(cfg, rank, world_size, device, log, stop):
             log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
             return 128 + (stop.signal or signal.SIGTERM)
 
-    for step in range(step, cfg.max_steps + 1):
+    for step in range(start_step, cfg.max_steps + 1):
         last_step = step == cfg.max_steps
         if step % cfg.val_every_steps == 0 or last_step:
             step_log.flush(keep_last=False)

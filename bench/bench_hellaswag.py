@@ -55,9 +55,9 @@ def naive_evaluate(model, examples, device, autocast_dtype):
     return correct_norm
 
 
-def timed(fn):
+def timed(fn, *args):
     start = time.perf_counter()
-    result = fn()
+    result = fn(*args)
     return result, time.perf_counter() - start
 
 
@@ -108,7 +108,7 @@ def main():
     counts = {}
     for _ in range(args.repeats):
         for (name, fn), ex in zip(contenders.items(), inputs):
-            counts[name], s = timed(lambda: fn(ex))
+            counts[name], s = timed(fn, ex)
             seconds[name].append(s)
     if len(set(counts.values())) != 1:
         sys.exit(f"mismatch: correct_norm differs: {counts}")

@@ -154,7 +154,7 @@ def test_training_mode_restored_and_small_vocab_refused(hf_dir):
 def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
     """The training loop passes `stopped` (a collective over its ranks): once it answers True no batch more runs."""
     model, calls = from_pretrained(hf_dir), []
-    asked = lambda: calls.append(1) or len(calls) > 2  # noqa: E731: stop before the third batch
+    asked = lambda: calls.append(1) or len(calls) > 2  # noqa: E731 (stop before the third batch)
     assert hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", batch_size=1,
                               stopped=asked) is None
     assert len(calls) == 3 and model.training

@@ -53,9 +53,9 @@ def shakespeare_documents(n, seed, max_chars=3000):
     return [SHAKESPEARE[s:s + rng.randint(1, max_chars)] for s in starts]
 
 
-def write_parquet(path, texts, column="text", kind=pa.string(), row_group_size=40):
+def write_parquet(path, texts, column="text", kind=None, row_group_size=40):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    table = pa.table({"id": pa.array(range(len(texts)), pa.int64()), column: pa.array(texts, kind)})
+    table = pa.table({"id": pa.array(range(len(texts)), pa.int64()), column: pa.array(texts, kind or pa.string())})
     pq.write_table(table, path, row_group_size=row_group_size)
 
 
