@@ -262,10 +262,13 @@ def val_documents(stream, val_tokens, seen):
 
 def kept_outputs(inputs, output_dir, options):
     """Each output's fingerprint, and (val entry or None, {index: entry}, summary) of an earlier run that still hold."""
-    # a fingerprint hashes the options and the output's input; with a val split inputs 0 to its own (they set its share)
-    start, fingerprints = hashlib.sha256(json.dumps(options, sort_keys=True).encode()), []
+    # a fingerprint hashes the options and the output's input; with a val split it hashes inputs 0 to its own, since
+    # they decide which of its documents val took
+    digest, fingerprints = hashlib.sha256(json.dumps(options, sort_keys=True).encode()), []
+    options_only = digest.copy()
     for path in inputs:
-        digest = (digest if options["val_tokens"] and fingerprints else start).copy()
+        if not options["val_tokens"]:
+            digest = options_only.copy()
         # size, mtime and the first and last MiB: a full hash would reread a terabyte; a parquet footer is at its end
         with open(path, "rb") as f:
             stat, head = os.stat(path), f.read(1 << 20)
