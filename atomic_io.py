@@ -1,6 +1,9 @@
 """Publish a file absent or complete: write a temporary beside it, fsync it, rename it over the final name, fsync the
-directory. A crash leaves the old file (or none) and at most a hidden temporary, never a truncated file."""
+directory. A crash leaves the old file (or none) and at most a hidden temporary, never a truncated file.
+Also the lock file that keeps a second run out of a directory."""
 import contextlib
+import errno
+import fcntl
 import os
 
 from safetensors import SafetensorError
@@ -11,6 +14,36 @@ class WriteError(OSError):
 
     def __str__(self):
         return f"cannot write {self.filename}: {self.strerror}"
+
+
+class LockHeld(Exception):
+    """Another process holds the lock file; `holder` is what it wrote there ("pid 123 on host node7")."""
+
+    def __init__(self, path, holder):
+        super().__init__(f"{path} is held by {holder}")
+        self.path, self.holder = path, holder
+
+
+def lock_file(path):
+    """Take an exclusive flock on `path` (made if absent) without waiting and write our pid and host into it; return
+    its descriptor. Closing it, or the death of the process, drops the lock (on NFS and Lustre across nodes too).
+    Raises LockHeld, naming the holder, if another process has it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held = not os.fstat(fd).st_nlink  # its holder removed it between our open and flock: that run is ending
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            os.close(fd)
+            raise
+        held = True
+    if held:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+        os.close(fd)
+        raise LockHeld(path, holder)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)  # for the next run's error
+    return fd
 
 
 def fsync_dir(path):

@@ -9,7 +9,6 @@ processed_data_{i}_text_document; a rerun keeps what summary.json's fingerprints
 import argparse
 import collections
 import contextlib
-import fcntl
 import functools
 import glob
 import gzip
@@ -32,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic_io import WriteError, atomic_path, atomic_write
+from atomic_io import LockHeld, WriteError, atomic_path, atomic_write, lock_file
 from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tokenizer import EOT_ID, SHA256, gpt2_encoding
 
@@ -105,19 +104,12 @@ def find_inputs(pattern, output_dir=None):
 def locked(output_dir):
     """Hold an exclusive flock on output_dir/.prepare.lock for the block: a second run there stops at once."""
     path = os.path.join(output_dir, ".prepare.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not os.fstat(fd).st_nlink:  # its holder removed it between our open and flock: that run is ending
-            raise BlockingIOError
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
-        os.close(fd)
-        raise OSError(f"{path}: held by another prepare_fineweb.py run ({holder}) writing into {output_dir}; "
+        fd = lock_file(path)
+    except LockHeld as e:
+        raise OSError(f"{path}: held by another prepare_fineweb.py run ({e.holder}) writing into {output_dir}; "
                       f"wait for it to end or stop it") from None
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)  # for the other run's error
         yield fd
     finally:
         os.remove(path)  # before the unlock: a run that opened it meanwhile sees it gone

@@ -11,7 +11,6 @@ import ast
 import dataclasses
 import difflib
 import errno
-import fcntl
 import gc
 import hashlib
 import importlib.util
@@ -38,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hellaswag
-from atomic_io import atomic_save, atomic_write, fsync_dir
+from atomic_io import LockHeld, atomic_save, atomic_write, fsync_dir, lock_file
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend, sequential_samples,
                              token_weighted_blend)
 from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded,
@@ -355,20 +354,11 @@ LOCKS = []  # this process's out_dir locks, released when main() returns
 
 def lock_out_dir(out_dir):
     """An exclusive flock on out_dir/.lock for the run, dropped when the process dies (NFS/Lustre: across nodes)."""
-    path = os.path.join(out_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-            raise ValueError(f"{out_dir}: another run is training in this out_dir ({path} is held by {holder}); "
-                             f"wait for it to end, stop it, or choose another out_dir") from None
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {os.uname().nodename}\n".encode(), 0)  # for the next run's error
-    LOCKS.append(fd)
+        LOCKS.append(lock_file(os.path.join(out_dir, ".lock")))
+    except LockHeld as e:
+        raise ValueError(f"{out_dir}: another run is training in this out_dir ({e}); "
+                         f"wait for it to end, stop it, or choose another out_dir") from None
 
 
 def prepare_out_dir(out_dir):

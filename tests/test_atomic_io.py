@@ -1,8 +1,9 @@
 import os
+import socket
 
 import pytest
 
-from atomic_io import atomic_save, atomic_write
+from atomic_io import LockHeld, atomic_save, atomic_write, lock_file
 
 
 def test_atomic_write_publishes_complete_file(tmp_path):
@@ -88,3 +89,25 @@ def test_a_failed_write_is_one_line_naming_the_file_and_leaves_nothing(tmp_path)
         name, message = line.split(" | ")
         assert message.startswith(f"cannot write {tmp_path}/{name.replace('.', '_')}: "), line
     assert os.listdir(tmp_path) == []
+
+
+def test_a_lock_file_keeps_a_second_taker_out_naming_the_holder_until_it_is_closed(tmp_path):
+    path = str(tmp_path / ".lock")
+    fd = lock_file(path)
+    with pytest.raises(LockHeld) as held:  # flock: a second open file, even in this process, is another taker
+        lock_file(path)
+    assert held.value.holder == f"pid {os.getpid()} on host {socket.gethostname()}"
+    assert str(held.value) == f"{path} is held by {held.value.holder}"
+    os.close(fd)
+    os.close(lock_file(path))
+
+
+def test_a_lock_file_its_holder_removed_counts_as_held(tmp_path):
+    """A run that removes its lock file on the way out (prepare_fineweb.py) is still ending: the lock of the removed
+    file must not let a second run in beside it."""
+    path = str(tmp_path / ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.remove(path)
+    with pytest.raises(LockHeld):  # /proc/self/fd/N opens the removed file again, as a run that opened it before did
+        lock_file(f"/proc/self/fd/{fd}")
+    os.close(fd)
