@@ -1,6 +1,6 @@
 """Publish a file absent or complete: write a temporary beside it, fsync it, rename it over the final name, fsync the
 directory. A crash leaves the old file (or none) and at most a hidden temporary, never a truncated file.
-Also the lock file that keeps a second run out of a directory."""
+Also the lock file that keeps a second run out of a directory, and the one-line reason of a failed write."""
 import contextlib
 import errno
 import fcntl
@@ -46,6 +46,13 @@ def lock_file(path):
     return fd
 
 
+def error_reason(error):
+    """What a one-line message should say of a failed write: the OS's reason (strerror) if there is one, else the last
+    line of the error's text (safetensors' messages run to several lines), else the error's type."""
+    lines = str(error).strip().splitlines()
+    return getattr(error, "strerror", None) or (lines[-1] if lines else type(error).__name__)
+
+
 def fsync_dir(path):
     """Make a rename or a new entry in directory `path` durable (a no-op where directories cannot be opened)."""
     with contextlib.suppress(OSError):
@@ -68,9 +75,8 @@ def atomic_path(path, errors=OSError):
         os.replace(tmp, path)
     except WriteError:  # a nested publish (prepare_fineweb's .idx inside its .bin) names its own file
         raise
-    except errors as e:  # the last line of a writer's message (safetensors' is several) if it has no strerror
-        reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        raise WriteError(getattr(e, "errno", None), reason, str(path)) from e
+    except errors as e:
+        raise WriteError(getattr(e, "errno", None), error_reason(e), str(path)) from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -452,6 +452,7 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     except BaseException as e:
         shutil.rmtree(new, ignore_errors=True)  # frees the space at once
         if isinstance(e, SafetensorError) or getattr(e, "strerror", None):  # a full disk, a read-only directory
+            # atomic_io.error_reason's rule (model.py imports no project file)
             reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise OSError(f"cannot write {directory}: {reason}") from None
         raise  # extra_files' own one-line errors among them

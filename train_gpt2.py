@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hellaswag
-from atomic_io import LockHeld, atomic_save, atomic_write, fsync_dir, lock_file
+from atomic_io import LockHeld, atomic_save, atomic_write, error_reason, fsync_dir, lock_file
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend, sequential_samples,
                              token_weighted_blend)
 from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded,
@@ -474,8 +474,8 @@ def save_checkpoint(cfg, model, optimizer, step, data):
                     for rank, failure in sorted((getattr(e, "failures", None) or {}).items())]
         for where, cause in failures or [("", e)]:
             if isinstance(cause, (OSError, RuntimeError)):
-                reason = getattr(cause, "strerror", None) or str(cause).strip().splitlines()[-1]
-                raise OSError(getattr(cause, "errno", None), f"writing checkpoint {final} failed{where}: {reason}",
+                raise OSError(getattr(cause, "errno", None),
+                              f"writing checkpoint {final} failed{where}: {error_reason(cause)}",
                               getattr(cause, "filename", None)) from None
         raise
     if master:

@@ -3,7 +3,7 @@ import socket
 
 import pytest
 
-from atomic_io import LockHeld, atomic_save, atomic_write, lock_file
+from atomic_io import LockHeld, atomic_save, atomic_write, error_reason, lock_file
 
 
 def test_atomic_write_publishes_complete_file(tmp_path):
@@ -111,3 +111,10 @@ def test_a_lock_file_its_holder_removed_counts_as_held(tmp_path):
     with pytest.raises(LockHeld):  # /proc/self/fd/N opens the removed file again, as a run that opened it before did
         lock_file(f"/proc/self/fd/{fd}")
     os.close(fd)
+
+
+def test_the_reason_of_a_failed_write_is_one_line():
+    assert error_reason(OSError(28, "No space left on device")) == "No space left on device"
+    assert error_reason(RuntimeError("Error while serializing:\nIoError(Os { code: 28 })\n")) == \
+        "IoError(Os { code: 28 })"
+    assert error_reason(RuntimeError()) == "RuntimeError"
