@@ -424,10 +424,11 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     if split.is_sharded:
         files["model.safetensors.index.json"] = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
     try:
+        if writer:
+            os.makedirs(new, exist_ok=True)
         for filename, names in split.filename_to_tensors.items():
             tensors = {name: file_tensor(name) for name in names}
             if writer:
-                os.makedirs(new, exist_ok=True)
                 save_file(tensors, os.path.join(new, filename), metadata={"format": "pt"})
         if not writer:
             return
