@@ -62,7 +62,8 @@ def download(dataset, sample, data_dir):
                   FileNotFoundError):  # huggingface_hub's LocalEntryNotFoundError: offline and not (fully) cached
         snapshot = huggingface_hub.snapshot_download(repo_id, repo_type="dataset", allow_patterns=pattern,
                                                      cache_dir=data_dir)
-    if not (files := sorted(glob.glob(os.path.join(snapshot, pattern)))):
+    files = sorted(glob.glob(os.path.join(snapshot, pattern)))
+    if not files:
         raise FileNotFoundError(f"{snapshot}: no files match {pattern}")
     return files
 
@@ -75,8 +76,13 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
     except Exception as e:  # offline, or no such sample: the download will say so, or find everything cached
         print(f"could not list {repo_id} sample/{sample} on the hub ({e}); checking the space for the outputs only")
         entries = []
-    fetch = sum(entry.size for entry in entries if entry.path.endswith(".parquet") and not isinstance(
-        huggingface_hub.try_to_load_from_cache(repo_id, entry.path, cache_dir=data_dir, repo_type="dataset"), str))
+    fetch = 0  # bytes of parquet not in the hub cache yet
+    for entry in entries:
+        if not entry.path.endswith(".parquet"):
+            continue
+        cached = huggingface_hub.try_to_load_from_cache(repo_id, entry.path, cache_dir=data_dir, repo_type="dataset")
+        if not isinstance(cached, str):  # a path when cached, else None or a "not on the hub" marker
+            fetch += entry.size
     for directory in (data_dir, output_dir):  # made now (the run would make them) to learn their filesystems
         os.makedirs(directory, exist_ok=True)
     written = sum(entry.stat().st_size for entry in os.scandir(output_dir) if OUTPUT_FILE.fullmatch(entry.name))
@@ -85,7 +91,8 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
           f"{needs[output_dir] / 1e9:,.1f} GB of outputs to write in {output_dir}")
     for directory in needs:  # directories on one filesystem add up
         need = sum(size for other, size in needs.items() if os.stat(other).st_dev == os.stat(directory).st_dev)
-        if need > (space := shutil.disk_usage(directory).free):
+        space = shutil.disk_usage(directory).free
+        if need > space:
             raise OSError(f"{directory}: needs about {need / 1e9:,.1f} GB but only {space / 1e9:,.1f} GB is free "
                           f"(download and outputs); make room, move --data-dir/--output-dir or --skip-space-check")
 
@@ -93,8 +100,13 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
 def find_inputs(pattern, output_dir=None):
     """The files matching `pattern` (a path or a glob, ** allowed), sorted, but for our own outputs in output_dir."""
     ours = output_dir and os.path.realpath(output_dir)
-    files = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path) and not (
-        OUR_FILE.fullmatch(os.path.basename(path)) and os.path.realpath(os.path.dirname(path)) == ours))
+    files = []
+    for path in sorted(glob.glob(pattern, recursive=True)):
+        if not os.path.isfile(path):
+            continue
+        if OUR_FILE.fullmatch(os.path.basename(path)) and os.path.realpath(os.path.dirname(path)) == ours:
+            continue  # e.g. --input 'data/**' with the outputs in data/megatron_gpt2
+        files.append(path)
     if not files:
         raise FileNotFoundError(f"--input {pattern!r} matches no file")
     return files
@@ -134,9 +146,11 @@ def reraised(where, what, *errors):
 def open_parquet(path, text_key):
     with reraised(path, "not a readable parquet file", pa.ArrowException, OSError):
         parquet = pq.ParquetFile(path, pre_buffer=False)  # pre_buffer: iter_batches would read the whole file ahead
-    if text_key not in (names := parquet.schema_arrow.names):
+    names = parquet.schema_arrow.names
+    if text_key not in names:
         raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(names)}); choose one with --text-key")
-    if (kind := parquet.schema_arrow.field(text_key).type) not in ("string", "large_string", "binary", "large_binary"):
+    kind = parquet.schema_arrow.field(text_key).type
+    if kind not in ("string", "large_string", "binary", "large_binary"):
         raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text")
     return parquet
 
@@ -152,21 +166,29 @@ def read_tasks(path, text_key, chunk_bytes):
             for group in range(metadata.num_row_groups):
                 group_rows = metadata.row_group(group).num_rows
                 text_bytes = metadata.row_group(group).column(leaf).total_uncompressed_size
-                # a row group of up to 16 chunks is a task, for a worker to read; a bigger one is read here in batches
-                payloads = [group] if text_bytes <= 16 * chunk_bytes else (batch.column(0) for batch in (
-                    parquet.iter_batches(max(1, group_rows * chunk_bytes // text_bytes), [group], [text_key])))
-                for payload in payloads:
-                    rows += group_rows if isinstance(payload, int) else len(payload)
-                    yield (path, "parquet", text_key, 0, payload), size * rows // total_rows
+                if text_bytes <= 16 * chunk_bytes:  # a row group of up to 16 chunks is one task: a worker reads it
+                    rows += group_rows
+                    yield (path, "parquet", text_key, 0, group), size * rows // total_rows
+                    continue
+                # a bigger one is read here, in batches of about chunk_bytes of text, each a task
+                batch_rows = max(1, group_rows * chunk_bytes // text_bytes)
+                for batch in parquet.iter_batches(batch_rows, [group], [text_key]):
+                    texts = batch.column(0)
+                    rows += len(texts)
+                    yield (path, "parquet", text_key, 0, texts), size * rows // total_rows
     else:
         kind = "txt" if path.endswith(".txt") else "jsonl"
         with open(path, "rb") as raw, reraised(path, "unreadable", OSError, EOFError, zlib.error):
             stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
-            rest, first_line = b"", 1
-            # reading at least as much as is left over keeps a giant line from being copied over and over
-            while block := stream.read(max(chunk_bytes, len(rest))):
+            rest, first_line = b"", 1  # rest: the start of a document the next block continues
+            while True:
+                # reading at least as much as is left over keeps a giant line from being copied over and over
+                block = stream.read(max(chunk_bytes, len(rest)))
+                if not block:
+                    break
                 block = rest + block
-                if end := CUT[kind].match(block).end():
+                end = CUT[kind].match(block).end()  # just after the block's last whole document, 0 if none
+                if end:
                     yield (path, kind, text_key, first_line, block[:end]), raw.tell()
                     first_line += block.count(b"\n", 0, end)
                 rest = block[end:]
@@ -174,7 +196,10 @@ def read_tasks(path, text_key, chunk_bytes):
     yield None, os.path.getsize(path)
 
 
-parquet_file = functools.lru_cache(maxsize=1)(functools.partial(pq.ParquetFile, pre_buffer=False))  # kept open
+@functools.lru_cache(maxsize=1)
+def parquet_file(path):
+    """The parquet file of a worker's last task, kept open: its next task is most often in the same file."""
+    return pq.ParquetFile(path, pre_buffer=False)
 
 
 def encode_task(task):
@@ -203,7 +228,8 @@ def encode_task(task):
             if not isinstance(record, dict) or text_key not in record:
                 found = f"keys: {', '.join(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
                 raise ValueError(f"{where}: no key {text_key!r} ({found}); pick one with --text-key")
-            if (text := record[text_key]) is not None and not isinstance(text, str):
+            text = record[text_key]
+            if text is not None and not isinstance(text, str):
                 raise ValueError(f"{where}: the {text_key!r} value is {type(text).__name__}, not a string")
         if not text:
             counts["empty_skipped"] += 1
@@ -219,26 +245,54 @@ def encode_task(task):
     return np.concatenate(pieces).astype(np.uint16), np.array(lengths, dtype=np.int64), counts
 
 
+def all_tasks(todo, text_key, chunk_bytes):
+    """Yield (index, task, byte position reached) for the inputs `todo` {index: path} in order; task None at an end."""
+    for index, path in todo.items():
+        for task, position in read_tasks(path, text_key, chunk_bytes):
+            yield index, task, position
+
+
 def document_stream(pool, todo, text_key, chunk_bytes, workers, counts, bar):
     """Yield (index, tokens) for each document of the inputs `todo` {index: path} in order, (index, None) after each."""
-    # (index, position, the task's result or None at the input's end); 2 tasks a worker in flight: imap reads all ahead
-    submitted = ((index, position, task and pool.apply_async(encode_task, (task,)))
-                 for index, path in todo.items() for task, position in read_tasks(path, text_key, chunk_bytes))
-    pending, documents, tokens, file_position = collections.deque(itertools.islice(submitted, 2 * workers)), 0, 0, 0
+    tasks = all_tasks(todo, text_key, chunk_bytes)
+    pending = collections.deque()  # (index, position, the task's AsyncResult, or None at the end of an input)
+
+    def send_next_task():
+        item = next(tasks, None)
+        if item is not None:
+            index, task, position = item
+            pending.append((index, position, None if task is None else pool.apply_async(encode_task, (task,))))
+
+    # 2 tasks a worker in flight, so none waits; Pool.imap would read every input ahead into memory
+    for _ in range(2 * workers):
+        send_next_task()
+    documents = tokens = file_position = 0
     while pending:
         index, position, result = pending.popleft()
-        pending.extend(itertools.islice(submitted, 1))  # the next task, read and sent while this one is collected
+        send_next_task()  # the next task, read and sent while this one is collected
         bar.update(position - file_position)
-        file_position = position if result else 0
-        if not result:
+        if result is None:  # the end of input `index`
+            file_position = 0
             yield index, None
             continue
+        file_position = position
         task_tokens, lengths, task_counts = result.get()
         counts[index].update(task_counts, input_documents=len(lengths))
-        documents, tokens = documents + len(lengths), tokens + len(task_tokens)
+        documents += len(lengths)
+        tokens += len(task_tokens)
         elapsed = max(bar.format_dict["elapsed"], 1e-9)
         bar.set_postfix_str(f"{documents / elapsed:,.0f} docs/s, {tokens / elapsed / 1e6:,.2f}M tokens/s", False)
-        yield from ((index, document) for document in np.split(task_tokens, np.cumsum(lengths)[:-1]) if len(document))
+        for document in np.split(task_tokens, np.cumsum(lengths)[:-1]):
+            if len(document):  # a task without documents splits into one empty array
+                yield index, document
+
+
+def documents_of_one_input(stream):
+    """The documents `stream` yields up to the end of the input they come from; its end marker is taken too."""
+    for _, document in stream:
+        if document is None:
+            return
+        yield document
 
 
 def val_documents(stream, val_tokens, seen):
@@ -248,7 +302,8 @@ def val_documents(stream, val_tokens, seen):
         seen.append(index)
         if document is not None:
             yield document
-            if (tokens := tokens + len(document)) >= val_tokens:
+            tokens += len(document)
+            if tokens >= val_tokens:
                 return
 
 
@@ -294,7 +349,8 @@ def write_output(prefix, documents):
     for suffix in (".idx", ".bin"):  # the old pair goes first, so no half of it can pass for part of the new one
         pathlib.Path(prefix + suffix).unlink(missing_ok=True)
     entry = dict(output=None, documents=0, tokens=0, output_bytes=0, kept=False)
-    if (first := next(documents, None)) is None:  # no files: megatron-core cannot map an empty .bin
+    first = next(documents, None)
+    if first is None:  # no files: megatron-core cannot map an empty .bin
         return entry
     with atomic_path(prefix + ".bin") as path:
         builder = IndexedDatasetBuilder(path, dtype=np.uint16)
@@ -332,7 +388,8 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
 
         def save(finished):
             entries = [files[index] for index in sorted(files)]
-            outputs, seconds = entries + [val] * bool(val), time.time() - start
+            outputs = entries + ([val] if val else [])
+            seconds = time.time() - start
             summary = {key: sum(entry.get(key, 0) for entry in outputs) for key in
                        ("documents", "tokens", "empty_skipped", "invalid_utf8", "input_bytes", "output_bytes")}
             tokenized = sum(entry["tokens"] for entry in outputs if not entry["kept"])
@@ -342,18 +399,21 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
                 json.dump(summary, f, indent=2)
             return summary
 
-        with multiprocessing.Pool(workers, start_worker, (lock,)) as pool, tqdm(
-                total=sum(map(os.path.getsize, todo.values())), unit="B", unit_scale=True,
-                desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo) as bar:
+        bar = tqdm(total=sum(os.path.getsize(path) for path in todo.values()), unit="B", unit_scale=True,
+                   desc=f"tokenizing {len(todo)} files", mininterval=1, dynamic_ncols=True, disable=not todo)
+        with multiprocessing.Pool(workers, start_worker, (lock,)) as pool, bar:
             stream = document_stream(pool, todo, text_key, chunk_bytes, workers, counts, bar)
             seen = [0]  # the inputs of what val took: those before the last one it reached went to it whole
             if val_tokens and val is None:  # then todo is every input, and the stream starts with input 0
                 val = write_output(os.path.join(output_dir, "val_text_document"),
                                    val_documents(stream, val_tokens, seen))
                 val.update(last_input=seen[-1], fingerprint=fingerprints[seen[-1]])
-            for index, path in todo.items():  # its documents: none if val took them all, else the stream to its end
-                rest = (document for _, document in itertools.takewhile(lambda x: x[1] is not None, stream))
-                written = write_output(output_prefix(output_dir, index), iter(()) if index < seen[-1] else rest)
+            for index, path in todo.items():
+                if index < seen[-1]:  # val took every document of it
+                    documents = iter(())
+                else:  # the rest of its documents, or all of them
+                    documents = documents_of_one_input(stream)
+                written = write_output(output_prefix(output_dir, index), documents)
                 files[index] = dict(index=index, input=path, input_name=os.path.basename(path), **written,
                                     fingerprint=fingerprints[index], **counts[index], input_bytes=os.path.getsize(path))
                 save(finished=False)
@@ -363,7 +423,8 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
         summary = save(finished=True)
         made = {os.path.basename(entry["output"]) for entry in [val, *files.values()] if entry and entry["output"]}
         for name in sorted(os.listdir(output_dir)):
-            if (match := OUTPUT_FILE.fullmatch(name)) and match[1] not in made:
+            match = OUTPUT_FILE.fullmatch(name)
+            if match and match[1] not in made:
                 os.remove(os.path.join(output_dir, name))
                 print(f"{os.path.join(output_dir, name)}: made from an input that is no longer given, removed")
         print(f"{output_dir}: {len(made)} outputs, " + "{documents:,} documents, {tokens:,} tokens, {seconds:,.1f} s; "
@@ -398,9 +459,12 @@ def main(argv=None):
                                                                                  args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers, chunk_bytes=args.chunk_bytes,
                 val_tokens=HUB_VAL_TOKENS if args.val_tokens is None and not args.input else args.val_tokens or 0)
-    except (ValueError, OSError) as e:  # a raw OSError (a removal, a directory) puts its file first, not its errno
-        raw = getattr(e, "filename", None) and not isinstance(e, WriteError)  # WriteError says "cannot write <file>"
-        sys.exit(f"prepare_fineweb.py: error: {f'{e.filename}: {e.strerror}' if raw else e}")
+    except (ValueError, OSError) as e:
+        if getattr(e, "filename", None) and not isinstance(e, WriteError):  # a raw OSError (a removal, a directory)
+            message = f"{e.filename}: {e.strerror}"  # its file first, not its errno
+        else:  # our own one-line errors, and WriteError's "cannot write <file>: <reason>"
+            message = str(e)
+        sys.exit(f"prepare_fineweb.py: error: {message}")
     except KeyboardInterrupt:
         sys.exit("prepare_fineweb.py: interrupted; run the same command again to resume")
 
