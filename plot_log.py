@@ -47,36 +47,53 @@ def extreme(points, best):
 
 
 def plot(runs, out_path, loss_max=None, references=()):
-    """[(label, streams), ...] into out_path (png, svg, ... by extension); references (--eval_only runs) as lines."""
+    """[(label, streams), ...] into out_path (png, svg, ... by extension); references (--eval_only runs) as lines.
+    The HellaSwag panel is drawn only when a log has HellaSwag results (a panel of baselines alone says nothing).
+    Returns the matplotlib Figure."""
     from matplotlib.figure import Figure  # here: parse_log's callers need no matplotlib
-    fig = Figure(figsize=(16, 6))
+    with_hellaswag = any(streams.get("eval") for _, streams in [*runs, *references])
+    fig = Figure(figsize=(16, 6) if with_hellaswag else (8, 6))
     fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
-    if fmt not in (supported := fig.canvas.get_supported_filetypes()):
+    supported = fig.canvas.get_supported_filetypes()
+    if fmt not in supported:
         raise ValueError(f"{out_path}: unsupported image type '{fmt}'; use one of {', '.join(sorted(supported))}")
-    loss_ax, hellaswag_ax = fig.subplots(1, 2, sharex=True)  # same steps side by side
-    axes = {"trl": loss_ax, "tel": loss_ax, "eval": hellaswag_ax}
+    if with_hellaswag:
+        loss_ax, hellaswag_ax = fig.subplots(1, 2, sharex=True)  # same steps side by side
+        axes = {"trl": loss_ax, "tel": loss_ax, "eval": hellaswag_ax}
+    else:
+        loss_ax = fig.subplots()
+        axes = {"trl": loss_ax, "tel": loss_ax}
     styles = {"trl": dict(alpha=0.6, linewidth=1), "tel": dict(linestyle="--", marker="."), "eval": dict(marker=".")}
     for i, (label, streams) in enumerate(runs):
         for key, name, best in STREAMS:
+            if key not in axes:
+                continue
             points = streams.get(key, [])  # a stream the log lacks plots nothing, as does a missing extreme
             point = extreme(points, best)  # in the legend and marked: text next to the curves would overlap them
             note = f" ({best.__name__} {point[1]:.4f} @ {point[0]})" if point else ""
             axes[key].plot(*zip(*points), color=f"C{i % 10}", label=f"{label} {name}{note}", **styles[key])
             axes[key].plot(*point, color=f"C{i % 10}", marker="v" if best is min else "^", ms=8, mec="black")
-    for key, name in (("tel", "val loss"), ("eval", "HellaSwag")):  # each reference's s:0 value, else OpenAI's
-        measured = [(streams[key][0][1], f"C{(len(runs) + i) % 10}", "-.", f"{label} {name} on these val tokens "
-                     f"({streams[key][0][1]:.4f}, eval_only)") for i, (label, streams) in enumerate(references)
-                    if streams.get(key)]
-        for value, color, linestyle, label in measured or PUBLISHED[key]:
+    for key, name in (("tel", "val loss"), ("eval", "HellaSwag")):
+        if key not in axes:
+            continue
+        lines = []  # each reference's s:0 value, else OpenAI's published figures
+        for i, (label, streams) in enumerate(references):
+            if streams.get(key):
+                value = streams[key][0][1]
+                color = f"C{(len(runs) + i) % 10}"
+                lines.append((value, color, "-.", f"{label} {name} on these val tokens ({value:.4f}, eval_only)"))
+        for value, color, linestyle, label in lines or PUBLISHED[key]:
             axes[key].axhline(value, color=color, linestyle=linestyle, linewidth=1.5, label=label)
     loss_ax.set(yscale="log", ylim=(None, loss_max), xlabel="steps", ylabel="loss", title="Loss")  # None: automatic
     loss_ax.yaxis.set_major_formatter("{x:g}")  # plain numbers, not powers of ten, on the log axis
     loss_ax.yaxis.set_minor_formatter("{x:g}")
-    hellaswag_ax.set(xlabel="steps", ylabel="accuracy (acc_norm)", title="HellaSwag eval")
-    for ax in (loss_ax, hellaswag_ax):
+    if with_hellaswag:
+        hellaswag_ax.set(xlabel="steps", ylabel="accuracy (acc_norm)", title="HellaSwag eval")
+    for ax in fig.axes:
         ax.legend(fontsize=8)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     atomic_save(out_path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=100, bbox_inches="tight"))
+    return fig
 
 
 def main(argv=None):
@@ -100,10 +117,15 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"plot_log.py: error: {e}")
     except OSError as e:  # -o under a file, in a read-only directory, on a full disk
-        sys.exit(f"plot_log.py: error: -o {args.output}: " + (f"{e.filename}: {e.strerror}" if e.filename else str(e)))
+        reason = f"{e.filename}: {e.strerror}" if e.filename else str(e)
+        sys.exit(f"plot_log.py: error: -o {args.output}: {reason}")
     for label, streams in runs + references:  # each curve's best point
-        points = [(f"{best.__name__} {name}", extreme(streams.get(key, []), best)) for key, name, best in STREAMS]
-        print(f"{label}: " + ", ".join(f"{what} {point[1]:.4f} (step {point[0]})" for what, point in points if point))
+        bests = []
+        for key, name, best in STREAMS:
+            point = extreme(streams.get(key, []), best)
+            if point:
+                bests.append(f"{best.__name__} {name} {point[1]:.4f} (step {point[0]})")
+        print(f"{label}: " + ", ".join(bests))
     print(f"wrote {args.output}")
 
 

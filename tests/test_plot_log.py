@@ -135,6 +135,21 @@ def test_loss_only_log_renders(tmp_path, capsys):
     assert matplotlib.image.imread(str(tmp_path / "loss.png")).std() > 0.05
 
 
+def test_a_log_without_hellaswag_gets_no_hellaswag_panel(tmp_path):
+    """The demo has no HellaSwag: a panel of the published baselines alone would look like a result."""
+    log = tmp_path / "run" / "main.log"
+    log.parent.mkdir()
+    log.write_text("s:0 tel:11.0\ns:0 trl:10.9 lr:0.0006 norm:1.5\ns:1 trl:9.5 lr:0.0006 norm:1.2\ns:1 tel:9.0\n")
+    figure = plot_log.plot([("run", plot_log.parse_log(str(log)))], str(tmp_path / "loss.png"))
+    assert [ax.get_title() for ax in figure.axes] == ["Loss"]
+    with_hellaswag = tmp_path / "hellaswag" / "main.log"
+    with_hellaswag.parent.mkdir()
+    with_hellaswag.write_text(log.read_text() + "s:1 eval:0.2600\n")
+    figure = plot_log.plot([("run", plot_log.parse_log(str(log))), ("other", plot_log.parse_log(str(with_hellaswag)))],
+                           str(tmp_path / "both.png"))
+    assert [ax.get_title() for ax in figure.axes] == ["Loss", "HellaSwag eval"]
+
+
 def test_logged_hellaswag_equals_the_standalone_cli(demo_log):
     """The `s:6 eval:` the trainer logged for its final model is what hellaswag.py computes from the run's files."""
     import hellaswag
