@@ -33,7 +33,7 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
         actual = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
         if actual != expected:
             raise ValueError(f"{path}: sha256 {actual} is not the GPT-2 BPE file's {expected}; the file is corrupt")
-    ranks = data_gym_to_mergeable_bpe_ranks(*(os.path.join(bpe_dir, name) for name in SHA256))  # vocab.bpe first
+    ranks = data_gym_to_mergeable_bpe_ranks(os.path.join(bpe_dir, "vocab.bpe"), os.path.join(bpe_dir, "encoder.json"))
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: EOT_ID},
                              explicit_n_vocab=VOCAB_SIZE)
 
@@ -52,7 +52,8 @@ HF_TOKENIZER_CONFIG = {
 def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
     """GPT-2's tokenizer files in `directory` as the hub's gpt2 has them, tokenizer.json included (fast readers)."""
     gpt2_encoding(bpe_dir)  # checks both files' sha256
-    vocab, merges = (pathlib.Path(bpe_dir, name).read_bytes() for name in ("encoder.json", "vocab.bpe"))
+    vocab = pathlib.Path(bpe_dir, "encoder.json").read_bytes()
+    merges = pathlib.Path(bpe_dir, "vocab.bpe").read_bytes()
     fast = {  # the same BPE as transformers' GPT2Converter builds it, in the tokenizers library's format
         "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
         "added_tokens": [{"id": EOT_ID, **HF_TOKENIZER_CONFIG["added_tokens_decoder"][str(EOT_ID)]}],
