@@ -5,7 +5,7 @@
     python prepare_fineweb.py --input 'corpus/*.jsonl.gz' --output-dir data/corpus
 
 The first --val-tokens go to val_text_document (llm.c's val shard), the rest of input i to
-processed_data_{i}_text_document; a rerun keeps what summary.json's fingerprints still match. README.md ("Data")."""
+processed_data_{i}_text_document; a rerun keeps what summary.json's fingerprints still match. docs/data.md says more."""
 import argparse
 import collections
 import contextlib

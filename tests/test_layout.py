@@ -1,7 +1,10 @@
 """The house rules that keep the code readable: the modules import one another one way only (imports inside functions
-included), and never inside a function to dodge a cycle; model.py stands alone; each module has its mirrored tests."""
+included), and never inside a function to dodge a cycle; model.py stands alone; each module has its mirrored tests;
+every relative link in README.md and docs/*.md leads somewhere."""
 import ast
+import glob
 import os
+import re
 
 from conftest import ROOT
 
@@ -68,3 +71,36 @@ def test_tests_mirror_the_files():
     allowed |= {"test_layout", "test_gpu_h200"}
     assert set(tests) <= allowed, sorted(set(tests) - allowed)
     assert {f"test_{m}" for m in MODULES} <= set(tests), sorted({f"test_{m}" for m in MODULES} - set(tests))
+
+
+def headings_anchors(markdown):
+    """The anchors GitHub makes of a page's headings: lowercase, punctuation dropped, spaces as hyphens."""
+    anchors = set()
+    for heading in re.findall(r"^#+\s+(.+?)\s*$", markdown, re.MULTILINE):
+        anchors.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    return anchors
+
+
+def without_code(markdown):
+    return re.sub(r"^```.*?^```", "", markdown, flags=re.MULTILINE | re.DOTALL)
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert len(pages) > 1
+    broken = []
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            text = without_code(f.read())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):  # [text](target) and ![alt](target)
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(resolved):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such file)")
+            elif anchor:
+                with open(resolved, encoding="utf-8") as f:
+                    if anchor not in headings_anchors(f.read()):
+                        broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such heading)")
+    assert not broken, broken
