@@ -539,7 +539,7 @@ class BlendedDataset:
             draws = sum(np.bincount(dataset_index[k:k + (1 << 20)], minlength=len(datasets))  # bounded temporaries
                         for k in range(0, len(dataset_index), 1 << 20))
             if len(datasets) <= 8:
-                for dataset, weight, drawn in zip(datasets, normalize(weights), draws):
+                for dataset, weight, drawn in zip(datasets, normalize(weights), draws, strict=True):
                     log(f"{split} blend: {dataset.dataset.path_prefix}: weight {weight:.4g}, {drawn:,} samples")
             else:  # a few lines at any scale
                 log(f"{split} blend: weights {min(normalize(weights)):.4g} to {max(normalize(weights)):.4g}, "
@@ -668,7 +668,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir)
 
     def build():
-        for dataset, directory in zip(datasets, dirs):  # the index check, remembered for these very files
+        for dataset, directory in zip(datasets, dirs, strict=True):  # the index check, remembered for these very files
             check_once(dataset, directory)
         return tuple(split_dataset(i) for i in range(3))
 

@@ -938,7 +938,7 @@ def test_plans_of_other_sizes_share_their_first_samples_exactly_when_their_order
                                  (prefixes[0], 4000)]}
     consumed = 80
     for (a_paths, a_size), a in plans.items():
-        for (b_paths, b_size), b in plans.items():
+        for (_, b_size), b in plans.items():
             same_order = a.order == b.order
             agree = first_samples_agree(a, b, consumed)
             assert agree == same_order, (a_paths, a_size, b_size)
@@ -961,7 +961,7 @@ def test_a_warm_start_hashes_no_index(tmp_path, monkeypatch, capfd):
     capfd.readouterr()
     second = build(prefixes, cache, sizes=(1000, 50, 10))
     assert hashed == [] and capfd.readouterr().err == ""
-    assert all(same_samples(a, b) for a, b in zip(first, second))
+    assert all(same_samples(a, b) for a, b in zip(first, second, strict=True))
     assert [p.dataset.fingerprint for p in second[0].datasets] == [p.dataset.fingerprint for p in first[0].datasets]
     corrupt(prefixes[1], ".idx", offset=index_layout(prefixes[1])[3] + 5 * 8, data=struct.pack("<q", 3))
     with pytest.raises(ValueError, match=r"\.idx: corrupt: sequence 5 starts at byte 3"):  # a new version: checked
