@@ -4,6 +4,7 @@ The .idx (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 |
 | document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] | document
 boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files."""
 import argparse
+import concurrent.futures
 import functools
 import glob
 import hashlib
@@ -28,7 +29,7 @@ DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
 CACHE_FORMAT = 3  # bump when the cached arrays or their key change meaning (3: keyed by the data's fingerprint)
-CHUNK, WARM_UP = 512, 64  # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early
+CHUNK, WARM_UP = 2048, 64  # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early
 
 
 def distributed():
@@ -353,45 +354,96 @@ def blending_indices(weights, size=None):
     guess = np.floor(ideal).astype(np.int64)
     rank = np.argsort(np.argsort(guess - ideal, axis=1, kind="stable"), axis=1, kind="stable")
     guess += rank < (guess_steps - guess.sum(axis=1))[:, None]
+    del ideal, rank
     if quotas is not None:
         np.minimum(guess, quotas, out=guess)
     start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
-    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, WARM_UP)[2]
+    warm_up = np.empty((len(guess), WARM_UP), np.int16), np.empty((len(guess), WARM_UP), np.int64)
+    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, *warm_up)
+    del guess, warm_up
     dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
     dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
-    end_draws = np.empty_like(start_draws)
-    todo = np.arange(num_chunks)
-    while todo.size:
-        dataset_index[todo], dataset_sample_index[todo], end_draws[todo] = _greedy(
-            weights, quotas, first_steps[todo], start_draws[todo], CHUNK)
+    end_draws = _greedy(weights, quotas, first_steps, start_draws, dataset_index, dataset_sample_index)
+    while True:  # a chunk that did not start where the one before ended is run again from there
         todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
+        if not todo.size:
+            return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
         start_draws[todo] = end_draws[todo - 1]
-    return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
+        picks, samples = dataset_index[todo], dataset_sample_index[todo]
+        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples)
+        dataset_index[todo], dataset_sample_index[todo] = picks, samples
 
 
-def _greedy(weights, quotas, first_steps, draws, steps):
-    """(datasets picked, their sample numbers, draws after) of `steps` greedy steps from each row of `draws`."""
-    num_datasets = len(weights)
+def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17):
+    """Run len(picks[0]) greedy steps from each row of `draws` (row r starting at step first_steps[r]): the datasets
+    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go `block` (datasets x
+    rows) values at a time, which stay in the CPU's cache."""
+    num_datasets, steps = len(weights), picks.shape[1]
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    picks, samples = np.empty((len(draws), steps), np.int16), np.empty((len(draws), steps), np.int64)
-    counts = np.ascontiguousarray(draws.T, dtype=np.float64)  # (datasets, rows): reduce along the first axis
-    flat_counts, columns = counts.reshape(-1), np.arange(counts.shape[1])
-    for t in range(steps):
-        error = weights[:, None] * np.maximum(first_steps + t, 1.0) - counts
-        if quotas is not None:
-            np.putmask(error, counts >= quotas[:, None], -np.inf)
-        # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
-        pick = num_datasets - ((error == error.max(axis=0)) * first_on_ties).max(axis=0).astype(np.int64)
-        where = pick * len(columns) + columns
-        picks[:, t] = pick
-        samples[:, t] = flat_counts[where]
-        flat_counts[where] += 1
-    return picks, samples, counts.T.astype(np.int64)
+    column = weights[:, None]
+    end_draws = np.empty_like(draws)
+    rows = max(8, block // num_datasets)
+    for first in range(0, len(draws), rows):
+        last = min(first + rows, len(draws))
+        counts = np.ascontiguousarray(draws[first:last].T, dtype=np.float64)  # (datasets, rows): reduce on axis 0
+        flat_counts, columns = counts.reshape(-1), np.arange(last - first)
+        error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
+        steps_now, x = first_steps[first:last].astype(np.float64), np.empty(last - first)
+        for t in range(steps):
+            np.maximum(steps_now + t, 1.0, out=x)
+            np.multiply(column, x, out=error)
+            np.subtract(error, counts, out=error)
+            if quotas is not None:
+                np.putmask(error, counts >= quotas[:, None], -np.inf)
+            # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+            np.equal(error, error.max(axis=0), out=is_max)
+            np.multiply(is_max, first_on_ties, out=ties)
+            pick = num_datasets - ties.max(axis=0).astype(np.int64)
+            where = pick * len(columns) + columns
+            picks[first:last, t] = pick
+            samples[first:last, t] = flat_counts[where]
+            flat_counts[where] += 1
+        end_draws[first:last] = counts.T
+    return end_draws
+
+
+class CacheWrites:
+    """While build_gpt_datasets builds, the cache's files are written by threads beside it: each publish waits for its
+    fsyncs (several ms each), which then overlap each other and the next build instead of adding up."""
+    pool = futures = None
+
+    def __enter__(self):
+        CacheWrites.pool, CacheWrites.futures = concurrent.futures.ThreadPoolExecutor(8), []
+        return self
+
+    def __exit__(self, *exc_info):
+        pool, done = CacheWrites.pool, CacheWrites.futures
+        CacheWrites.pool = CacheWrites.futures = None
+        pool.shutdown(wait=True)  # every file is published (or failed) before the datasets are returned
+        for future in done:
+            future.result()  # raises the first write's error (a WriteError naming the file)
+
+    @staticmethod
+    def submit(write, *args):
+        if CacheWrites.pool is None:
+            write(*args)
+        else:
+            CacheWrites.futures.append(CacheWrites.pool.submit(write, *args))
+
+
+def publish(base, key, arrays):
+    """The arrays, then the description that vouches for them: a description is never there without its arrays."""
+    for array_name, values in arrays.items():
+        with atomic_write(f"{base}-{array_name}.npy") as f:
+            np.save(f, values)
+    with atomic_write(base + ".json", "w") as f:
+        json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
 
 
 def cached(cache_dir, name, key, build):
-    """The arrays `build()` returns, kept in `cache_dir` (by node_leader()) as `{hash}-{name}-{array}.npy` and, written last,
-    `{hash}-{name}.json` holding `key` (every parameter, each source's fingerprint); what does not load is rebuilt."""
+    """The arrays `build()` returns, kept in `cache_dir` (by node_leader()) as `{hash}-{name}-{array}.npy` and, written
+    last, `{hash}-{name}.json` holding `key` (every parameter, each source's fingerprint); what does not load is
+    rebuilt."""
     if cache_dir is None:
         return build()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -411,11 +463,7 @@ def cached(cache_dir, name, key, build):
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
             raise WriteError(error.errno, error.strerror, cache_dir) from None
-        for array_name, values in arrays.items():
-            with atomic_write(f"{base}-{array_name}.npy") as f:
-                np.save(f, values)
-        with atomic_write(base + ".json", "w") as f:
-            json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
+        CacheWrites.submit(publish, base, key, arrays)
     return arrays
 
 
@@ -447,8 +495,13 @@ def check_once(dataset, cache_dir, racy_seconds=2.0):
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
             raise WriteError(error.errno, error.strerror, cache_dir) from None
-        with atomic_write(path, "w") as f:
-            json.dump({"key": key, "fingerprint": dataset.fingerprint, "written": time.time()}, f, indent=1)
+        record = {"key": key, "fingerprint": dataset.fingerprint, "written": time.time()}
+        CacheWrites.submit(write_json, path, record)
+
+
+def write_json(path, content):
+    with atomic_write(path, "w") as f:
+        json.dump(content, f, indent=1)
 
 
 def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
@@ -643,7 +696,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
             where = built[0].dataset.path_prefix if len(parts) == 1 else f"{len(built)} of {len(parts)} prefixes"
             log(f"{where}: {SPLITS[i]} indices, {sum(len(p) for p in built):,} samples of {seq_length} tokens from "
                 f"{sum(len(p.document_index) for p in built):,} sequences, built in "
-                f"{sum(p.build_seconds for p in built):.2f}s ({time.perf_counter() - t0:.2f}s with the cache)")
+                f"{sum(p.build_seconds for p in built):.2f}s ({time.perf_counter() - t0:.2f}s for the whole split)")
         return blended
 
     def blended_split(i):
@@ -668,9 +721,10 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir)
 
     def build():
-        for dataset, directory in zip(datasets, dirs, strict=True):  # the index check, remembered for these very files
-            check_once(dataset, directory)
-        return tuple(split_dataset(i) for i in range(3))
+        with CacheWrites():
+            for dataset, directory in zip(datasets, dirs, strict=True):  # the index check, once per file version
+                check_once(dataset, directory)
+            return tuple(split_dataset(i) for i in range(3))
 
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
         return build()
