@@ -146,20 +146,36 @@ class IndexedDataset:
                 why += f"; its {suffix} had {size} bytes, now {now}"
         return ValueError(f"{self.path_prefix}: changed on disk since it was opened ({why})")
 
-    def check(self):
-        """Raise ValueError naming the .idx unless boundaries never fall and each pointer sums the lengths before it."""
-        idx_path = self.path_prefix + ".idx"
-        if (np.diff(self.document_indices) < 0).any():
-            raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
-        sizes = self.sequence_lengths.astype(np.int64)
-        if sizes.size and sizes.min() < 0:
-            raise ValueError(f"{idx_path}: corrupt: sequence {np.argmin(sizes)} has a negative length {sizes.min()}")
-        sizes *= self.dtype.itemsize
-        starts = np.cumsum(sizes) - sizes
-        for k in np.flatnonzero(self.sequence_pointers != starts)[:1]:  # the first wrong pointer, if any
-            raise ValueError(f"{idx_path}: corrupt: sequence {k} starts at byte {self.sequence_pointers[k]} of the "
-                             f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} tokens): a "
-                             f"wrong dtype code or damaged pointers")
+    def check(self, block=1 << 20):
+        """Raise ValueError naming the .idx unless boundaries never fall and each pointer sums the lengths before it.
+        The pointers and boundaries are read `block` at a time, not through the mapping, whose pages would otherwise
+        stay in this process's memory (16 bytes a sequence) though nothing else reads them."""
+        idx_path, count = self.path_prefix + ".idx", len(self.sequence_lengths)
+        pointers_at, boundaries_at = HEADER.size + 4 * count, HEADER.size + 12 * count
+        with open(idx_path, "rb") as f:
+            def int64s(offset, n):
+                return np.frombuffer(os.pread(f.fileno(), 8 * n, offset), "<i8")
+
+            previous = 0
+            for first in range(0, len(self.document_indices), block):
+                boundaries = int64s(boundaries_at + 8 * first, min(block, len(self.document_indices) - first))
+                if boundaries[0] < previous or (np.diff(boundaries) < 0).any():
+                    raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
+                previous = boundaries[-1]
+            start = 0
+            for first in range(0, count, block):
+                sizes = self.sequence_lengths[first:first + block].astype(np.int64)
+                if sizes.min() < 0:
+                    raise ValueError(f"{idx_path}: corrupt: sequence {first + np.argmin(sizes)} has a negative length "
+                                     f"{sizes.min()}")
+                sizes *= self.dtype.itemsize
+                starts = np.cumsum(sizes) - sizes + start
+                start = int(starts[-1] + sizes[-1])
+                pointers = int64s(pointers_at + 8 * first, len(sizes))
+                for k in np.flatnonzero(pointers != starts)[:1]:  # the first wrong pointer, if any
+                    raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte {pointers[k]} of the "
+                                     f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} "
+                                     f"tokens): a wrong dtype code or damaged pointers")
 
 
 class IndexedDatasetBuilder:
