@@ -8,13 +8,13 @@ Shapes (the issue's), each scaled by --scale (prefixes, documents and samples al
 Both read the glob of prefixes as the recipes do (split "100,0,0", seed 1234); past one epoch it is blended by token
 count (train_gpt2.build_train_data decides; megatron-core gets the same blend list, decided before its clock starts).
 
-Each side runs in a fresh process per measurement; the cold runs build and write the index cache, the warm runs find
-it (ours: build_data and the resume digest, data_state; megatron-core: the builder call). Time is wall clock; memory
-is the growth of peak RSS (VmHWM) over the RSS after the imports. Cold: one run per side, in alternating order; warm:
---warm_runs per side, alternating, the fastest counts. Every index array of both sides is hashed after the clock
+Each side runs in a fresh process per measurement; the cold runs build and write the index cache (from an empty one),
+the warm runs find it (ours: build_data and the resume digest, data_state; megatron-core: the builder call). Time is
+wall clock; memory is the growth of peak RSS (VmHWM) over the RSS after the imports. --cold_runs and --warm_runs per
+side, alternating; the fastest run counts. Every index array of both sides is hashed after the clock
 stops: the samples agree when every digest does. Ratios are ours / megatron-core's (below 1: ours is better).
 
-    python bench/bench_indexed_dataset.py --shape 10bt                 # about 2 minutes on 2 cores
+    python bench/bench_indexed_dataset.py --shape 10bt --cold_runs 3   # about 5 minutes on 2 cores
     python bench/bench_indexed_dataset.py --shape 100bt --scale 0.34   # a third of 100BT
     python bench/bench_indexed_dataset.py --shape 10bt --scale 0.05    # a quick look
 """
@@ -23,6 +23,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=SHAPES, default="10bt")
     parser.add_argument("--scale", type=float, default=1.0, help="scale prefixes, documents and samples (e.g. 0.34)")
+    parser.add_argument("--cold_runs", type=int, default=1, help="cold runs per side (each from an empty cache)")
     parser.add_argument("--warm_runs", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write the data and caches (default: a temp dir)")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
@@ -163,10 +165,12 @@ def main():
               f"of {SEQ_LENGTH} tokens, split {SPLIT!r}", flush=True)
         results = {}
         sides = ("megatron", "ours")
-        for phase, runs in (("cold", 1), ("warm", args.warm_runs)):
+        for phase, runs in (("cold", args.cold_runs), ("warm", args.warm_runs)):
             for run in range(runs):  # alternating, so both sides see the same machine load
                 for side in sides if run % 2 == 0 else sides[::-1]:
                     cache = os.path.join(directory, f"cache_{side}")
+                    if phase == "cold":
+                        shutil.rmtree(cache, ignore_errors=True)
                     result = run_worker(side, data, cache, steps)
                     print(f"  {side:8} {phase} {run}: {result['seconds']:.2f}s, peak RSS growth "
                           f"{result['memory_mib']:,.0f} MiB, {result['samples']:,} samples", flush=True)
