@@ -426,25 +426,28 @@ def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17):
 class CacheWrites:
     """While build_gpt_datasets builds, the cache's files are written by threads beside it: each publish waits for its
     fsyncs (several ms each), which then overlap each other and the next build instead of adding up."""
-    pool = futures = None
+    pool = futures = paths = None
 
     def __enter__(self):
-        CacheWrites.pool, CacheWrites.futures = concurrent.futures.ThreadPoolExecutor(8), []
+        CacheWrites.pool, CacheWrites.futures, CacheWrites.paths = concurrent.futures.ThreadPoolExecutor(8), [], set()
         return self
 
     def __exit__(self, *exc_info):
         pool, done = CacheWrites.pool, CacheWrites.futures
-        CacheWrites.pool = CacheWrites.futures = None
+        CacheWrites.pool = CacheWrites.futures = CacheWrites.paths = None
         pool.shutdown(wait=True)  # every file is published (or failed) before the datasets are returned
         for future in done:
             future.result()  # raises the first write's error (a WriteError naming the file)
 
     @staticmethod
-    def submit(write, *args):
+    def submit(write, path, *args):
+        """write(path, *args), once per path: two prefixes holding the same data share their cache entry, whose
+        files two threads of one process must not write at once (their temporaries are named per process)."""
         if CacheWrites.pool is None:
-            write(*args)
-        else:
-            CacheWrites.futures.append(CacheWrites.pool.submit(write, *args))
+            write(path, *args)
+        elif path not in CacheWrites.paths:
+            CacheWrites.paths.add(path)
+            CacheWrites.futures.append(CacheWrites.pool.submit(write, path, *args))
 
 
 def publish(base, key, arrays):

@@ -966,3 +966,13 @@ def test_a_warm_start_hashes_no_index(tmp_path, monkeypatch, capfd):
     corrupt(prefixes[1], ".idx", offset=index_layout(prefixes[1])[3] + 5 * 8, data=struct.pack("<q", 3))
     with pytest.raises(ValueError, match=r"\.idx: corrupt: sequence 5 starts at byte 3"):  # a new version: checked
         build(prefixes, cache, sizes=(1000, 50, 10))
+
+
+def test_prefixes_holding_the_same_data_share_one_cache_entry(tmp_path):
+    documents = random_documents(np.random.default_rng(30), 300)
+    prefixes = [write_ours(str(tmp_path / f"copy_{i}_text_document"), documents) for i in range(2)]
+    cache = str(tmp_path / "cache")
+    built, loaded = build(prefixes, cache), build(prefixes, cache)  # one entry, written once, read by both
+    assert all(same_samples(a, b) for a, b in zip(built, loaded, strict=True))
+    assert all(same_samples(a, b) for a, b in zip(built, build(prefixes, None), strict=True))
+    assert len(glob.glob(os.path.join(cache, "*-GPTDataset-train.json"))) == 1
