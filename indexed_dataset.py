@@ -4,6 +4,7 @@ The .idx (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 |
 | document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] | document
 boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files."""
 import argparse
+import concurrent.futures
 import functools
 import glob
 import hashlib
@@ -28,7 +29,7 @@ DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
 CACHE_FORMAT = 3  # bump when the cached arrays or their key change meaning (3: keyed by the data's fingerprint)
-CHUNK, WARM_UP = 512, 64  # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early
+CHUNK, WARM_UP = 2048, 64  # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early
 
 
 def distributed():
@@ -37,6 +38,14 @@ def distributed():
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def node_leader():
+    """Whether this process builds and writes the index cache for its node: torchrun's local rank 0 (every node has
+    one, whether or not the nodes share a filesystem), else global rank 0."""
+    rank, world_size = distributed()
+    local_rank = os.environ.get("LOCAL_RANK")
+    return rank == 0 if world_size == 1 or local_rank is None else local_rank == "0"
 
 
 def log(message):
@@ -117,6 +126,13 @@ class IndexedDataset:
         with open(self.path_prefix + ".idx", "rb") as f:  # read, not mapped: the pages stay out of this process
             return f"{hashlib.file_digest(f, 'sha256').hexdigest()[:32]}-{self.sizes['.bin']}"
 
+    def version(self):
+        """What tells one version of the files from another without reading them, as make and git judge a file
+        unchanged: each file's size, modification and change times (ns) and inode."""
+        stats = [os.stat(self.path_prefix + suffix) for suffix in (".idx", ".bin")]
+        return {"prefix": os.path.abspath(self.path_prefix),
+                "files": [[st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for st in stats]}
+
     def documents(self, sequences):
         """The documents holding tokens of `sequences` (an array), "documents 7, 3", numbered from 0 in file order."""
         held = np.searchsorted(self.document_indices, sequences[self.sequence_lengths[sequences] > 0], "right") - 1
@@ -130,20 +146,36 @@ class IndexedDataset:
                 why += f"; its {suffix} had {size} bytes, now {now}"
         return ValueError(f"{self.path_prefix}: changed on disk since it was opened ({why})")
 
-    def check(self):
-        """Raise ValueError naming the .idx unless boundaries never fall and each pointer sums the lengths before it."""
-        idx_path = self.path_prefix + ".idx"
-        if (np.diff(self.document_indices) < 0).any():
-            raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
-        sizes = self.sequence_lengths.astype(np.int64)
-        if sizes.size and sizes.min() < 0:
-            raise ValueError(f"{idx_path}: corrupt: sequence {np.argmin(sizes)} has a negative length {sizes.min()}")
-        sizes *= self.dtype.itemsize
-        starts = np.cumsum(sizes) - sizes
-        for k in np.flatnonzero(self.sequence_pointers != starts)[:1]:  # the first wrong pointer, if any
-            raise ValueError(f"{idx_path}: corrupt: sequence {k} starts at byte {self.sequence_pointers[k]} of the "
-                             f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} tokens): a "
-                             f"wrong dtype code or damaged pointers")
+    def check(self, block=1 << 20):
+        """Raise ValueError naming the .idx unless boundaries never fall and each pointer sums the lengths before it.
+        The pointers and boundaries are read `block` at a time, not through the mapping, whose pages would otherwise
+        stay in this process's memory (16 bytes a sequence) though nothing else reads them."""
+        idx_path, count = self.path_prefix + ".idx", len(self.sequence_lengths)
+        pointers_at, boundaries_at = HEADER.size + 4 * count, HEADER.size + 12 * count
+        with open(idx_path, "rb") as f:
+            def int64s(offset, n):
+                return np.frombuffer(os.pread(f.fileno(), 8 * n, offset), "<i8")
+
+            previous = 0
+            for first in range(0, len(self.document_indices), block):
+                boundaries = int64s(boundaries_at + 8 * first, min(block, len(self.document_indices) - first))
+                if boundaries[0] < previous or (np.diff(boundaries) < 0).any():
+                    raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
+                previous = boundaries[-1]
+            start = 0
+            for first in range(0, count, block):
+                sizes = self.sequence_lengths[first:first + block].astype(np.int64)
+                if sizes.min() < 0:
+                    raise ValueError(f"{idx_path}: corrupt: sequence {first + np.argmin(sizes)} has a negative length "
+                                     f"{sizes.min()}")
+                sizes *= self.dtype.itemsize
+                starts = np.cumsum(sizes) - sizes + start
+                start = int(starts[-1] + sizes[-1])
+                pointers = int64s(pointers_at + 8 * first, len(sizes))
+                for k in np.flatnonzero(pointers != starts)[:1]:  # the first wrong pointer, if any
+                    raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte {pointers[k]} of the "
+                                     f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} "
+                                     f"tokens): a wrong dtype code or damaged pointers")
 
 
 class IndexedDatasetBuilder:
@@ -252,21 +284,43 @@ def token_weighted_blend(paths):
         raise ValueError(f"{paths}: already weighted; token_weighted_blend weights a list of prefixes")
     blend = []
     for prefix in prefixes:
-        tokens = IndexedDataset(prefix).num_tokens
+        tokens = IndexedDataset(prefix, check=False).num_tokens  # the build checks each index, once per version
         if tokens == 0:
             raise ValueError(f"{prefix}.bin: holds no tokens, so it cannot take part in a token-weighted blend")
         blend += [str(tokens), prefix]
     return blend
 
 
-def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
-    """megatron-core GPTDataset's {document_index, sample_index, shuffle_index} of sequences [begin, end), in epochs."""
-    extra = int(add_extra_token)
-    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: build_gpt_datasets checks
+def epochs(tokens_per_epoch, *, seq_length, num_samples, extra):
+    """(epochs, whether the last is shuffled apart) that megatron's GPTDataset builds for `num_samples`: with the
+    data, the seed and the lengths, all that its index arrays depend on (num_samples matters only through them)."""
     num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
     samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     samples_per_epoch = (tokens_per_epoch - extra) // seq_length
     separate_final_epoch = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
+    return num_epochs, separate_final_epoch
+
+
+def one_epoch_samples(paths, *, seq_length, split, split_index=0, add_extra_token=True):
+    """The samples of one epoch of split `split_index` of every prefix of `paths` together: all that an unweighted
+    list of prefixes gives (megatron-core's cap), counted from the sequence lengths without building any index."""
+    bookends = split_matrix(split)[split_index]
+    total = 0
+    for prefix in resolve_blend(paths)[0] if bookends is not None else []:
+        dataset = IndexedDataset(prefix, check=False)
+        begin, end = split_range(len(dataset), bookends)
+        tokens = int(np.sum(dataset.sequence_lengths[begin:end], dtype=np.int64))
+        total += max(0, (tokens - int(add_extra_token)) // seq_length)
+    return total
+
+
+def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
+    """megatron-core GPTDataset's {document_index, sample_index, shuffle_index} of sequences [begin, end), in epochs."""
+    extra = int(add_extra_token)
+    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: build_gpt_datasets checks
+    num_epochs, separate_final_epoch = epochs(tokens_per_epoch, seq_length=seq_length, num_samples=num_samples,
+                                              extra=extra)
+    samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     total_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
     # drawn in this order: the document shuffle(s), then the sample shuffle(s); a separate final epoch is shuffled
     # apart from the epochs before it (shuffling nothing draws nothing)
@@ -316,45 +370,99 @@ def blending_indices(weights, size=None):
     guess = np.floor(ideal).astype(np.int64)
     rank = np.argsort(np.argsort(guess - ideal, axis=1, kind="stable"), axis=1, kind="stable")
     guess += rank < (guess_steps - guess.sum(axis=1))[:, None]
+    del ideal, rank
     if quotas is not None:
         np.minimum(guess, quotas, out=guess)
     start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
-    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, WARM_UP)[2]
+    warm_up = np.empty((len(guess), WARM_UP), np.int16), np.empty((len(guess), WARM_UP), np.int64)
+    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, *warm_up)
+    del guess, warm_up
     dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
     dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
-    end_draws = np.empty_like(start_draws)
-    todo = np.arange(num_chunks)
-    while todo.size:
-        dataset_index[todo], dataset_sample_index[todo], end_draws[todo] = _greedy(
-            weights, quotas, first_steps[todo], start_draws[todo], CHUNK)
+    end_draws = _greedy(weights, quotas, first_steps, start_draws, dataset_index, dataset_sample_index)
+    while True:  # a chunk that did not start where the one before ended is run again from there
         todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
+        if not todo.size:
+            return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
         start_draws[todo] = end_draws[todo - 1]
-    return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
+        picks, samples = dataset_index[todo], dataset_sample_index[todo]
+        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples)
+        dataset_index[todo], dataset_sample_index[todo] = picks, samples
 
 
-def _greedy(weights, quotas, first_steps, draws, steps):
-    """(datasets picked, their sample numbers, draws after) of `steps` greedy steps from each row of `draws`."""
-    num_datasets = len(weights)
+def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17):
+    """Run len(picks[0]) greedy steps from each row of `draws` (row r starting at step first_steps[r]): the datasets
+    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go `block` (datasets x
+    rows) values at a time, which stay in the CPU's cache."""
+    num_datasets, steps = len(weights), picks.shape[1]
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    picks, samples = np.empty((len(draws), steps), np.int16), np.empty((len(draws), steps), np.int64)
-    counts = np.ascontiguousarray(draws.T, dtype=np.float64)  # (datasets, rows): reduce along the first axis
-    flat_counts, columns = counts.reshape(-1), np.arange(counts.shape[1])
-    for t in range(steps):
-        error = weights[:, None] * np.maximum(first_steps + t, 1.0) - counts
-        if quotas is not None:
-            np.putmask(error, counts >= quotas[:, None], -np.inf)
-        # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
-        pick = num_datasets - ((error == error.max(axis=0)) * first_on_ties).max(axis=0).astype(np.int64)
-        where = pick * len(columns) + columns
-        picks[:, t] = pick
-        samples[:, t] = flat_counts[where]
-        flat_counts[where] += 1
-    return picks, samples, counts.T.astype(np.int64)
+    column = weights[:, None]
+    end_draws = np.empty_like(draws)
+    rows = max(8, block // num_datasets)
+    for first in range(0, len(draws), rows):
+        last = min(first + rows, len(draws))
+        counts = np.ascontiguousarray(draws[first:last].T, dtype=np.float64)  # (datasets, rows): reduce on axis 0
+        flat_counts, columns = counts.reshape(-1), np.arange(last - first)
+        error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
+        steps_now, x = first_steps[first:last].astype(np.float64), np.empty(last - first)
+        for t in range(steps):
+            np.maximum(steps_now + t, 1.0, out=x)
+            np.multiply(column, x, out=error)
+            np.subtract(error, counts, out=error)
+            if quotas is not None:
+                np.putmask(error, counts >= quotas[:, None], -np.inf)
+            # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+            np.equal(error, error.max(axis=0), out=is_max)
+            np.multiply(is_max, first_on_ties, out=ties)
+            pick = num_datasets - ties.max(axis=0).astype(np.int64)
+            where = pick * len(columns) + columns
+            picks[first:last, t] = pick
+            samples[first:last, t] = flat_counts[where]
+            flat_counts[where] += 1
+        end_draws[first:last] = counts.T
+    return end_draws
+
+
+class CacheWrites:
+    """While build_gpt_datasets builds, the cache's files are written by threads beside it: each publish waits for its
+    fsyncs (several ms each), which then overlap each other and the next build instead of adding up."""
+    pool = futures = paths = None
+
+    def __enter__(self):
+        CacheWrites.pool, CacheWrites.futures, CacheWrites.paths = concurrent.futures.ThreadPoolExecutor(8), [], set()
+        return self
+
+    def __exit__(self, *exc_info):
+        pool, done = CacheWrites.pool, CacheWrites.futures
+        CacheWrites.pool = CacheWrites.futures = CacheWrites.paths = None
+        pool.shutdown(wait=True)  # every file is published (or failed) before the datasets are returned
+        for future in done:
+            future.result()  # raises the first write's error (a WriteError naming the file)
+
+    @staticmethod
+    def submit(write, path, *args):
+        """write(path, *args), once per path: two prefixes holding the same data share their cache entry, whose
+        files two threads of one process must not write at once (their temporaries are named per process)."""
+        if CacheWrites.pool is None:
+            write(path, *args)
+        elif path not in CacheWrites.paths:
+            CacheWrites.paths.add(path)
+            CacheWrites.futures.append(CacheWrites.pool.submit(write, path, *args))
+
+
+def publish(base, key, arrays):
+    """The arrays, then the description that vouches for them: a description is never there without its arrays."""
+    for array_name, values in arrays.items():
+        with atomic_write(f"{base}-{array_name}.npy") as f:
+            np.save(f, values)
+    with atomic_write(base + ".json", "w") as f:
+        json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
 
 
 def cached(cache_dir, name, key, build):
-    """The arrays `build()` returns, kept in `cache_dir` (by rank 0) as `{hash}-{name}-{array}.npy` and, written last,
-    `{hash}-{name}.json` holding `key` (every parameter, each source's fingerprint); what does not load is rebuilt."""
+    """The arrays `build()` returns, kept in `cache_dir` (by node_leader()) as `{hash}-{name}-{array}.npy` and, written
+    last, `{hash}-{name}.json` holding `key` (every parameter, each source's fingerprint); what does not load is
+    rebuilt."""
     if cache_dir is None:
         return build()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
@@ -369,17 +477,50 @@ def cached(cache_dir, name, key, build):
         except Exception as error:  # whatever is wrong with it, a rebuild is the cure
             log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
     arrays = build()
-    if distributed()[0] == 0:  # the other ranks load what rank 0 wrote
+    if node_leader():  # the other ranks of its node load what it wrote
         try:
             os.makedirs(cache_dir, exist_ok=True)
         except OSError as error:
             raise WriteError(error.errno, error.strerror, cache_dir) from None
-        for array_name, values in arrays.items():
-            with atomic_write(f"{base}-{array_name}.npy") as f:
-                np.save(f, values)
-        with atomic_write(base + ".json", "w") as f:
-            json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
+        CacheWrites.submit(publish, base, key, arrays)
     return arrays
+
+
+def check_once(dataset, cache_dir, racy_seconds=2.0):
+    """Check `dataset`'s index and learn its fingerprint once per version of its files: `cache_dir` keeps a record
+    `{hash}-IndexedDataset-checked.json` of the version (sizes, times, inode) with its fingerprint, so a warm start
+    hashes nothing. A record made within `racy_seconds` of a file's last change might miss a rewrite in the same
+    clock tick (git's "racy clean" files): its fingerprint is hashed again, and the index checked only if it differs."""
+    version = dataset.version()
+    if cache_dir is None:
+        dataset.check()
+        return
+    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "version": version}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    path = os.path.join(cache_dir, f"{digest}-IndexedDataset-checked.json")
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if record["key"] == key:
+            newest_change = max(max(times[1:3]) for times in version["files"]) / 1e9
+            if record["written"] - newest_change > racy_seconds or dataset.fingerprint == record["fingerprint"]:
+                dataset.fingerprint = record["fingerprint"]  # what the hash of these very files gave
+                return
+    except (OSError, ValueError, KeyError, TypeError):  # no record, or one that does not load: check again
+        pass
+    dataset.check()
+    if node_leader():
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as error:
+            raise WriteError(error.errno, error.strerror, cache_dir) from None
+        record = {"key": key, "fingerprint": dataset.fingerprint, "written": time.time()}
+        CacheWrites.submit(write_json, path, record)
+
+
+def write_json(path, content):
+    with atomic_write(path, "w") as f:
+        json.dump(content, f, indent=1)
 
 
 def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
@@ -411,13 +552,18 @@ class GPTDataset:
         key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "source": dataset.fingerprint,
                "sequences": [begin, end], "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
                "add_extra_token": bool(self.extra)}
+        # the key less num_samples, plus what num_samples decides: equal orders are equal index arrays
+        tokens_per_epoch = int(np.sum(dataset.sequence_lengths[begin:end], dtype=np.int64))
+        num_epochs, separate = epochs(tokens_per_epoch, seq_length=seq_length, num_samples=num_samples, extra=self.extra)
+        self.order = {k: v for k, v in key.items() if k not in ("format", "num_samples")}
+        self.order.update(epochs=num_epochs, separate_final_epoch=separate)
+        self.build_seconds = None  # how long the build took; None when the cache had it
 
         def build():
-            t0 = time.time()
+            t0 = time.perf_counter()
             arrays = gpt_indices(dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples,
                                  seed=seed, add_extra_token=add_extra_token)
-            log(f"{dataset.path_prefix}: {split} indices, {len(arrays['shuffle_index'])} samples of {seq_length} "
-                f"tokens from {len(arrays['document_index'])} sequences, built in {time.time() - t0:.2f}s")
+            self.build_seconds = time.perf_counter() - t0
             return arrays
 
         arrays = cached(cache_dir, f"GPTDataset-{split}", key, build)
@@ -454,6 +600,8 @@ class BlendedDataset:
         if size is not None:  # without a size, weights are exact counts
             weights = normalize(weights)  # again, as megatron does
         key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
+        # the size only cuts the greedy draw short (without one, the draw differs): what decides the first samples
+        self.order = {"weights": weights, "exhaustive": size is None, "datasets": [d.order for d in datasets]}
 
         def build():
             t0 = time.time()
@@ -462,8 +610,12 @@ class BlendedDataset:
                 f"{time.time() - t0:.2f}s")
             draws = sum(np.bincount(dataset_index[k:k + (1 << 20)], minlength=len(datasets))  # bounded temporaries
                         for k in range(0, len(dataset_index), 1 << 20))
-            for dataset, weight, drawn in zip(datasets, normalize(weights), draws):
-                log(f"{split} blend: {dataset.dataset.path_prefix}: weight {weight:.4g}, {drawn:,} samples")
+            if len(datasets) <= 8:
+                for dataset, weight, drawn in zip(datasets, normalize(weights), draws, strict=True):
+                    log(f"{split} blend: {dataset.dataset.path_prefix}: weight {weight:.4g}, {drawn:,} samples")
+            else:  # a few lines at any scale
+                log(f"{split} blend: weights {min(normalize(weights)):.4g} to {max(normalize(weights)):.4g}, "
+                    f"{draws.min():,} to {draws.max():,} samples per dataset")
             return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
 
         arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build)
@@ -478,6 +630,43 @@ class BlendedDataset:
     def describe(self, i):
         """Where sample i comes from: a sample of one of the blended datasets."""
         return f"{self.datasets[self.dataset_index[i]].describe(self.dataset_sample_index[i])}, blend sample {i}"
+
+
+def first_samples_agree(a, b, count, block=1 << 20):
+    """Whether samples [0, count) of the GPT or blended datasets `a` and `b` are the same samples in the same order:
+    the same datasets and sample numbers, and under them the same sequences at the same offsets (a comparison of the
+    index entries those samples reach, `block` samples at a time: no tokens are read)."""
+    if type(a) is not type(b) or min(len(a), len(b)) < count:
+        return False
+    if isinstance(a, BlendedDataset):
+        if len(a.datasets) != len(b.datasets):
+            return False
+        draws = np.zeros(len(a.datasets), dtype=np.int64)
+        for first in range(0, count, block):  # each dataset's samples are drawn in order: 0, 1, 2, ...
+            last = min(first + block, count)
+            if not (np.array_equal(a.dataset_index[first:last], b.dataset_index[first:last]) and
+                    np.array_equal(a.dataset_sample_index[first:last], b.dataset_sample_index[first:last])):
+                return False
+            draws += np.bincount(a.dataset_index[first:last], minlength=len(a.datasets))
+        return all(first_samples_agree(x, y, int(n)) for x, y, n in zip(a.datasets, b.datasets, draws, strict=True))
+    if (a.dataset.fingerprint, a.seq_length, a.extra) != (b.dataset.fingerprint, b.seq_length, b.extra):
+        return False
+    for first in range(0, count, block):
+        rows = []
+        for ds in (a, b):  # each sample's first and last rows of the sample index, and the sequences between them
+            j = np.asarray(ds.shuffle_index[first:min(first + block, count)], dtype=np.int64)
+            starts, ends = np.asarray(ds.sample_index[j], np.int64), np.asarray(ds.sample_index[j + 1], np.int64)
+            rows.append((starts, ends, ds.document_index))
+        (starts_a, ends_a, documents_a), (starts_b, ends_b, documents_b) = rows
+        if not (np.array_equal(starts_a[:, 1], starts_b[:, 1]) and np.array_equal(ends_a[:, 1], ends_b[:, 1]) and
+                np.array_equal(ends_a[:, 0] - starts_a[:, 0], ends_b[:, 0] - starts_b[:, 0])):
+            return False
+        spans = ends_a[:, 0] - starts_a[:, 0] + 1  # positions start..end of each sample in either document index
+        steps = np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans)
+        if not np.array_equal(documents_a[np.repeat(starts_a[:, 0], spans) + steps],
+                              documents_b[np.repeat(starts_b[:, 0], spans) + steps]):
+            return False
+    return True
 
 
 def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
@@ -518,6 +707,18 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     def split_dataset(i):
         if matrix[i] is None:
             return None
+        t0 = time.perf_counter()
+        blended = blended_split(i)
+        parts = getattr(blended, "datasets", [blended] if blended is not None else [])
+        built = [part for part in parts if part.build_seconds is not None]
+        if built:  # one line per split, whatever the number of prefixes
+            where = built[0].dataset.path_prefix if len(parts) == 1 else f"{len(built)} of {len(parts)} prefixes"
+            log(f"{where}: {SPLITS[i]} indices, {sum(len(p) for p in built):,} samples of {seq_length} tokens from "
+                f"{sum(len(p.document_index) for p in built):,} sequences, built in "
+                f"{sum(p.build_seconds for p in built):.2f}s ({time.perf_counter() - t0:.2f}s for the whole split)")
+        return blended
+
+    def blended_split(i):
         if weights is None and len(prefixes) == 1:
             return gpt_split(0, i, sizes[i])
         if weights is not None:  # samples per dataset: blended (target), and built with megatron's 0.5% surplus
@@ -539,24 +740,33 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir)
 
     def build():
-        for dataset, directory in zip(datasets, dirs):  # the index check, remembered for these very files
-            key = {"format": CACHE_FORMAT, "class": "IndexCheck", "source": dataset.fingerprint}
-            cached(directory, "IndexedDataset-checked", key, lambda dataset=dataset: dataset.check() or {})
-        return tuple(split_dataset(i) for i in range(3))
+        with CacheWrites():
+            for dataset, directory in zip(datasets, dirs, strict=True):  # the index check, once per file version
+                check_once(dataset, directory)
+            return tuple(split_dataset(i) for i in range(3))
 
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
         return build()
+    # In turns, so that whatever a rank reads exists on its node: global rank 0 builds and writes the cache, then the
+    # leader of every other node (local rank 0) loads it, or builds and writes it where the nodes share no
+    # filesystem, then the other ranks map what their node's leader wrote. A failure reaches every rank: none waits.
     import torch.distributed as dist  # a process group exists, so torch is already imported
-    failure = [None]  # rank 0 builds and writes first, then tells the others whether it failed: none waits forever
-    if rank == 0:
-        try:
-            result = build()
-        except Exception as error:
-            failure, raised = [f"{type(error).__name__}: {error}"], error
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise raised if rank == 0 else RuntimeError(f"rank 0 could not build the datasets: {failure[0]}")
-    return result if rank == 0 else build()
+    turn = 0 if rank == 0 else 1 if node_leader() else 2
+    result = raised = None
+    for current in range(3):
+        failure = None
+        if turn == current:
+            try:
+                result = build()
+            except Exception as error:
+                failure, raised = f"{type(error).__name__}: {error}", error
+        failures = [None] * world_size
+        dist.all_gather_object(failures, failure)
+        for other, message in enumerate(failures):
+            if message is not None:
+                raise raised if other == rank else RuntimeError(f"rank {other} could not build the datasets: "
+                                                                f"{message}")
+    return result
 
 
 class TokenWindows:

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import hellaswag
 from atomic_io import LockHeld, atomic_save, atomic_write, error_reason, fsync_dir, lock_file
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, resolve_blend, sequential_samples,
-                             token_weighted_blend)
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets, first_samples_agree,
+                             one_epoch_samples, resolve_blend, sequential_samples, token_weighted_blend)
 from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf, init_sharded,
                    is_run_or_checkpoint, load_hf_sharded, load_weights, newest_usable_checkpoint, read_train_state,
                    resolve_checkpoint, resolve_pretrained, set_aside)
@@ -516,7 +516,7 @@ def load_checkpoint(ckpt_path, model, optimizer):
                      "start a fresh run in another out_dir")
 
 
-def resume(resume_path, model, optimizer, cfg, data, log):
+def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     """The step of the checkpoint loaded; a change to the tokens seen or their order needs resume_allow_data_change."""
     train_state = load_checkpoint(resume_path, model, optimizer)
     step, saved = train_state["step"], train_state["config"]
@@ -536,9 +536,18 @@ def resume(resume_path, model, optimizer, cfg, data, log):
     before, now = train_state["data"], data["data"]
     changes += [f"data {prefix} fingerprint {before.get(prefix, 'absent')[:12]} -> {now.get(prefix, 'absent')[:12]}"
                 for prefix in sorted(set(before) | set(now)) if before.get(prefix) != now.get(prefix)]
-    if not changes and train_state["sample_order"] != data["sample_order"]:
-        changes.append(f"max_steps {saved['max_steps']} -> {cfg.max_steps} (the train split is then built in other "
-                       f"epochs: another sample order)")
+    consumed = step * batch
+    if not changes and train_state["sample_order"] != data["sample_order"] and consumed:
+        # another plan (max_steps changed the epochs or the blend): what matters is the samples already consumed,
+        # so the saved run's plan is built again (from the index cache when it is still there) and compared
+        saved_plan = build_train_data(dataclasses.replace(cfg, max_steps=saved["max_steps"]),
+                                      saved["max_steps"] * batch, lambda *args, **kwargs: None)
+        if not first_samples_agree(saved_plan, train_data, consumed):
+            changes.append(f"max_steps {saved['max_steps']} -> {cfg.max_steps} (the train split is then built in "
+                           f"other epochs or blended otherwise: the {consumed:,} samples consumed differ)")
+    if not changes and saved["max_steps"] != cfg.max_steps:
+        log(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the {consumed:,} samples consumed are the same, in "
+            f"the same order, in the new plan")
     if changes and not cfg.resume_allow_data_change:
         raise ValueError(f"{resume_path}: resuming would change the tokens the run sees or their order: "
                          f"{'; '.join(changes)}; undo it, use a new out_dir, or set --resume_allow_data_change=True")
@@ -551,15 +560,13 @@ def resume(resume_path, model, optimizer, cfg, data, log):
 
 
 def data_state(train_data):
-    """What a resume compares: each file's fingerprint and a digest of the sample order (documents, samples, blend)."""
-    digest = hashlib.sha256()
-    for part in [train_data] + list(getattr(train_data, "datasets", [])):
-        for name in ("document_index", "sample_index", "shuffle_index", "dataset_index", "dataset_sample_index"):
-            if hasattr(part, name):
-                digest.update(np.ascontiguousarray(getattr(part, name)).data)
+    """What a resume compares: each file's fingerprint and a digest of the sample order, from what keys the index
+    cache (each file's fingerprint, the split's sequences, seq_length, seed, epochs, the blend's weights), not from
+    the index arrays: equal digests are equal samples in the same order, however many of them are planned."""
     parts = getattr(train_data, "datasets", [train_data])  # the GPTDatasets, blended or not
+    order = json.dumps(train_data.order, sort_keys=True)
     return dict(data={part.dataset.path_prefix: part.dataset.fingerprint for part in parts},
-                sample_order=digest.hexdigest())
+                sample_order=hashlib.sha256(order.encode()).hexdigest())
 
 
 def already_complete(cfg, resume_path):
@@ -714,28 +721,14 @@ def peak_flops(device):
 def build_data(cfg, log):
     """(train_data, val_data): Megatron's GPTDataset samples (None under eval_only) and the validation windows."""
     train_data = val_data = None
-    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
-    common = dict(seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed, sizes=(num_samples, 0, 0),
-                  cache_dir=cfg.index_mapping_dir, fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
-    paths = cfg.data_paths
     if not cfg.eval_only:
-        train_data, _, _ = build_gpt_datasets(paths, **common)
-        if train_data is None:
-            raise ValueError(f"{paths}: the train split is empty (split {cfg.split!r})")
+        train_data = build_train_data(cfg, None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size, log)
         if cfg.max_steps is None:
             cfg.max_steps = len(train_data) // cfg.global_batch_size
             if cfg.max_steps < 1:
-                raise ValueError(f"{paths}: the train split has {len(train_data):,} samples, fewer than one global "
-                                 f"batch of {cfg.global_batch_size}")
+                raise ValueError(f"{cfg.data_paths}: the train split has {len(train_data):,} samples, fewer than "
+                                 f"one global batch of {cfg.global_batch_size}")
             log(f"max_steps None: one epoch of the train split is {cfg.max_steps:,} steps")
-        elif len(train_data) < num_samples:
-            log(f"{paths}: {num_samples:,} samples are more than one epoch ({len(train_data):,}); the prefixes are "
-                f"blended by token count, each repeated in whole epochs")
-            paths = token_weighted_blend(paths)  # past one epoch of an unweighted list, Megatron's limit
-            train_data, _, _ = build_gpt_datasets(paths, **common)
-        prefixes, weights = resolve_blend(paths)
-        if weights is not None:  # said at every start: the dataset cache only says it when it builds the blend
-            log("train blend: " + ", ".join(f"{prefix} {w / sum(weights):.4f}" for prefix, w in zip(prefixes, weights)))
     if cfg.val_tokens and cfg.val_data_paths is not None:
         val_data = LLMCValWindows(cfg.val_data_paths, cfg.seq_length, cfg.val_tokens)
     elif cfg.val_tokens:
@@ -747,6 +740,30 @@ def build_data(cfg, log):
         log(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
             f"{cfg.val_data_paths or cfg.data_paths}")
     return train_data, val_data
+
+
+def build_train_data(cfg, num_samples, log):
+    """The train split's samples for `num_samples` (None: one epoch), built once: an unweighted list of prefixes gives
+    at most one epoch of each (Megatron's limit), so past that it is blended by token count from the start."""
+    paths, (prefixes, weights) = cfg.data_paths, resolve_blend(cfg.data_paths)
+    if num_samples is not None and weights is None and len(prefixes) > 1:
+        epoch = one_epoch_samples(paths, seq_length=cfg.seq_length, split=cfg.split)
+        if num_samples > epoch:
+            log(f"{paths}: {num_samples:,} samples are more than one epoch ({epoch:,}); the prefixes are blended by "
+                f"token count, each repeated in whole epochs")
+            paths = token_weighted_blend(paths)
+            prefixes, weights = resolve_blend(paths)
+    train_data, _, _ = build_gpt_datasets(paths, seq_length=cfg.seq_length, split=cfg.split, seed=cfg.seed,
+                                          sizes=(num_samples, 0, 0), cache_dir=cfg.index_mapping_dir,
+                                          fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
+    if train_data is None:
+        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
+    if weights is not None:  # said at every start: the dataset cache only says it when it builds the blend
+        shares = [w / sum(weights) for w in weights]
+        log("train blend: " + (", ".join(f"{prefix} {share:.4f}" for prefix, share in zip(prefixes, shares, strict=True))
+                               if len(prefixes) <= 8 else
+                               f"{len(prefixes)} prefixes, weights {min(shares):.4f} to {max(shares):.4f}"))
+    return train_data
 
 
 def host_batch(dataset, indices, vocab_size, pin):
@@ -1004,7 +1021,7 @@ def setup(cfg, world_size, device, log, stop):
     model = build_model(model_config, init, cfg, device)
     optimizer = build_optimizer(model, cfg, device)
     data = {} if train_data is None else data_state(train_data)
-    step = 0 if resume_path is None else resume(resume_path, model, optimizer, cfg, data, log)
+    step = 0 if resume_path is None else resume(resume_path, model, optimizer, cfg, data, log, train_data)
     on_rank0(lambda: log.start(cfg, resumed=resume_path is not None))
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)

@@ -1,25 +1,29 @@
-"""indexed_dataset.py against megatron-core 0.16.1 on a synthetic dataset shaped like FineWeb-Edu.
+"""Start-up of the train data: train_gpt2.build_data (the real path) against megatron-core 0.16.1's builder call
+(its prebuilt C++ helpers), on FineWeb-Edu-shaped data that the bench writes itself: real .idx files with lognormal
+document lengths (mean about 1,034 GPT-2 tokens) and sparse .bin files of the right size (zeros that take no disk).
 
-The data is a glob of shards read as NeMo AutoModel's FineWeb recipe reads them (unweighted, sorted), split
-"0.99, 0.01, 0.00", seq_length 1024. Each side runs in a fresh process, so peak memory is its own:
-  build   cold start: build the GPT and blend indices and write them to a cache directory
-  load    warm start: load them back from that cache (LOADS runs per side, alternating; the minimum time counts)
-  access  random-access samples/s of the train split (ds[i] of 20k random indices, their pages already touched)
-Times are wall clock (and CPU time for the build, steadier on a shared machine; our build's wall time includes
-fsyncing every cache file, as atomic_io does for every file the project publishes, which megatron does not). Memory
-is the growth of peak RSS over the process's RSS just before building/loading (so megatron's torch import does not
-count against it). Ratios are megatron / ours for times and memory, ours / megatron for samples/s: above 1 means
-ours is better.
+Shapes (the issue's), each scaled by --scale (prefixes, documents and samples alike):
+  10bt   14 prefixes,  9.6M documents, the 124M recipe's 19,073 steps x 512 samples of 1,024 tokens
+  100bt  140 prefixes, 97M documents, the 774M recipe's 286,102 steps x 512 samples (146M)
+Both read the glob of prefixes as the recipes do (split "100,0,0", seed 1234); past one epoch it is blended by token
+count (train_gpt2.build_train_data decides; megatron-core gets the same blend list, decided before its clock starts).
 
-Default: 500k documents (about 0.5B tokens) in 4 shards, about a minute. --full: FineWeb-Edu 10BT's size,
-9.7M documents and about 10B tokens (the .bin files are sparse, so they take no disk space; the index files and
-caches take about 1 GB).
+Each side runs in a fresh process per measurement; the cold runs build and write the index cache (from an empty one),
+the warm runs find it (ours: build_data and the resume digest, data_state; megatron-core: the builder call). Time is
+wall clock; memory is the growth of peak RSS (VmHWM) over the RSS after the imports. --cold_runs and --warm_runs per
+side, alternating; the fastest run counts. Every index array of both sides is hashed after the clock
+stops: the samples agree when every digest does. Ratios are ours / megatron-core's (below 1: ours is better).
 
-    python bench/bench_indexed_dataset.py [--full] [--documents N] [--shards N] [--dir DIR]
+    python bench/bench_indexed_dataset.py --shape 10bt --cold_runs 3   # about 5 minutes on 2 cores
+    python bench/bench_indexed_dataset.py --shape 100bt --scale 0.34   # a third of 100BT
+    python bench/bench_indexed_dataset.py --shape 10bt --scale 0.05    # a quick look
 """
 import argparse
+import glob
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,29 +33,28 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 
-SEQ_LENGTH = 1024
-SPLIT = "0.99, 0.01, 0.00"
-ACCESSES = 20_000
-LOADS = 5
+SHAPES = {"10bt": dict(prefixes=14, documents=9_600_000, steps=19_073),
+          "100bt": dict(prefixes=140, documents=97_000_000, steps=286_102)}
+SEQ_LENGTH, GLOBAL_BATCH, SPLIT, SEED = 1024, 512, "100,0,0", 1234
 
 
-def write_sparse_shards(directory, documents, shards, seed=0):
-    """Shards of one-sequence documents with FineWeb-Edu-like lengths (mean about 1000 GPT-2 tokens), whose .bin
-    files are sparse zeros of the right size: the index is real, the tokens cost no disk."""
+def write_sparse_prefixes(directory, prefixes, documents, seed=0):
+    """`prefixes` prefixes of one-sequence documents with FineWeb-Edu-like lengths (lognormal, mean about 1,034
+    tokens); the .bin files are sparse zeros of the right size: the index is real, the tokens cost no disk."""
     rng = np.random.default_rng(seed)
     os.makedirs(directory, exist_ok=True)
-    for shard in range(shards):
-        prefix = os.path.join(directory, f"processed_data_{shard}_text_document")
-        count = documents // shards + (shard < documents % shards)
+    for p in range(prefixes):
+        prefix = os.path.join(directory, f"processed_data_{p}_text_document")
+        count = documents // prefixes + (p < documents % prefixes)
         lengths = np.clip(rng.lognormal(6.536, 0.9, count), 16, 100_000).astype(np.int64)
         builder = IndexedDatasetBuilder(prefix + ".bin")
         builder.sequence_lengths.frombytes(lengths.tobytes())
         builder.document_indices.frombytes(np.arange(1, count + 1, dtype=np.int64).tobytes())
         builder.finalize(prefix + ".idx")
         os.truncate(prefix + ".bin", int(lengths.sum()) * 2)
-    return os.path.join(directory, "processed_data_*_text_document*")
+    return os.path.join(directory, "processed_data_*_text_document")
 
 
 def memory_kib(field):
@@ -59,13 +62,39 @@ def memory_kib(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def worker(side, phase, data, cache, sizes):
-    """Build (cache miss) or load (cache hit) the datasets in this process and print one JSON line of results."""
-    if side == "ours":
-        from indexed_dataset import build_gpt_datasets
+def digests(train):
+    """sha256 of every index array of a blended or GPT dataset (dtype and bytes), ours or megatron-core's."""
+    arrays = {}
+    for d, part in enumerate(getattr(train, "datasets", [train])):
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            arrays[f"{d}.{name}"] = getattr(part, name)
+    for name in ("dataset_index", "dataset_sample_index"):
+        if hasattr(train, name):
+            arrays[name] = getattr(train, name)
+    out = {}
+    for name, array in arrays.items():
+        digest = hashlib.sha256(str(array.dtype).encode() + str(array.shape).encode())
+        flat = np.ascontiguousarray(array).reshape(-1)
+        for start in range(0, len(flat), 1 << 24):
+            digest.update(flat[start:start + (1 << 24)].tobytes())
+        out[name] = digest.hexdigest()[:16]
+    return out
 
-        def build():
-            return build_gpt_datasets(data, seq_length=SEQ_LENGTH, split=SPLIT, sizes=sizes, cache_dir=cache)
+
+def worker(side, data, cache, steps):
+    """Build (cold) or load (warm) the train data in this process; print one JSON line."""
+    num_samples = steps * GLOBAL_BATCH
+    if side == "ours":
+        import train_gpt2
+
+        def start():
+            cfg = train_gpt2.load_config([f"--data_paths={data}", f"--split={SPLIT}", f"--seed={SEED}",
+                                          f"--seq_length={SEQ_LENGTH}", f"--global_batch_size={GLOBAL_BATCH}",
+                                          f"--local_batch_size={GLOBAL_BATCH}", f"--max_steps={steps}",
+                                          f"--index_mapping_dir={cache}", f"--out_dir={cache}.out", "--val_tokens=0"])
+            train, _ = train_gpt2.build_data(cfg, lambda text, **metrics: print(text, file=sys.stderr))
+            train_gpt2.data_state(train)  # what a resume compares: part of every start
+            return train
     else:
         import logging
         import warnings
@@ -76,96 +105,94 @@ def worker(side, phase, data, cache, sizes):
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
         from megatron.core.datasets.utils import get_blend_from_list
-        from indexed_dataset import resolve_blend
+
+        from indexed_dataset import one_epoch_samples, resolve_blend, token_weighted_blend
 
         class Tokenizer:
             vocab_size, eod, unique_identifiers = 50257, 50256, {"class": "GPT2"}
 
         # megatron-core 0.16.1 needs a process group to cache a BlendedDataset
-        dist.init_process_group("gloo", init_method=f"file://{cache}.pg-{phase}-{os.getpid()}", rank=0, world_size=1)
-        config = GPTDatasetConfig(
-            random_seed=1234, sequence_length=SEQ_LENGTH, blend=get_blend_from_list(resolve_blend(data)[0]),
-            split=SPLIT, path_to_cache=cache, tokenizer=Tokenizer(), reset_position_ids=False,
-            reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+        dist.init_process_group("gloo", init_method=f"file://{cache}.pg-{os.getpid()}", rank=0, world_size=1)
+        # the blend list that build_data would use, decided before the clock starts: only the builder call is timed
+        prefixes = resolve_blend(data)[0]
+        past_one_epoch = num_samples > one_epoch_samples(data, seq_length=SEQ_LENGTH, split=SPLIT)
+        blend = get_blend_from_list(token_weighted_blend(data) if past_one_epoch else prefixes)
+        config = GPTDatasetConfig(random_seed=SEED, sequence_length=SEQ_LENGTH, blend=blend, split=SPLIT,
+                                  path_to_cache=cache, tokenizer=Tokenizer(), reset_position_ids=False,
+                                  reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
 
-        def build():
-            return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+        def start():
+            return BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config).build()[0]
 
     rss_before = memory_kib("VmRSS")
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    train = build()[0]
-    result = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu0,
-              "memory_mib": (memory_kib("VmHWM") - rss_before) / 1024, "samples": len(train)}
-    if phase == "load":
-        # a first, untimed pass faults in the pages these samples touch (in the sparse .bin they are zeros the kernel
-        # fills in on first touch, which would charge whichever side runs first); the timed pass is the lookups' cost
-        indices = np.random.default_rng(0).integers(0, len(train), ACCESSES)
-        for i in indices:
-            train[int(i)]
-        t0 = time.perf_counter()
-        for i in indices:
-            train[int(i)]
-        result["samples_per_second"] = ACCESSES / (time.perf_counter() - t0)
-    print(json.dumps(result))
+    t0 = time.perf_counter()
+    train = start()
+    seconds = time.perf_counter() - t0
+    memory_mib = (memory_kib("VmHWM") - rss_before) / 1024
+    print(json.dumps(dict(seconds=seconds, memory_mib=memory_mib, samples=len(train), digests=digests(train))))
 
 
-def run_worker(side, phase, data, cache, sizes):
-    command = [sys.executable, os.path.abspath(__file__), "--worker", side, phase, data, cache, json.dumps(sizes)]
-    output = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    return json.loads(output.strip().splitlines()[-1])
+def run_worker(side, data, cache, steps):
+    command = [sys.executable, os.path.abspath(__file__), "--worker", side, data, cache, str(steps)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=3600)
+    if result.returncode:
+        sys.exit(f"{side} worker failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="FineWeb-Edu 10BT's size: 9.7M documents, ~10B tokens")
-    parser.add_argument("--documents", type=int, default=None, help="number of documents (default 500k, --full 9.7M)")
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--dir", default=None, help="where to write the synthetic data (default: a temp dir)")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=SHAPES, default="10bt")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale prefixes, documents and samples (e.g. 0.34)")
+    parser.add_argument("--cold_runs", type=int, default=1, help="cold runs per side (each from an empty cache)")
+    parser.add_argument("--warm_runs", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write the data and caches (default: a temp dir)")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        side, phase, data, cache, sizes = args.worker
-        worker(side, phase, data, cache, json.loads(sizes))
+        side, data, cache, steps = args.worker
+        worker(side, data, cache, int(steps))
         return
 
-    documents = args.documents or (9_672_101 if args.full else 500_000)
+    shape = SHAPES[args.shape]
+    prefixes = max(2, round(shape["prefixes"] * args.scale))  # a glob of one prefix is no blend
+    documents, steps = round(shape["documents"] * args.scale), max(1, round(shape["steps"] * args.scale))
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         t0 = time.perf_counter()
-        data = write_sparse_shards(os.path.join(directory, "data"), documents, args.shards)
-        prefixes = sorted({p[:-4] for p in __import__("glob").glob(data)})
-        tokens = sum(IndexedDataset(p).num_tokens for p in prefixes)
-        train_samples = int(0.9 * 0.99 * tokens / SEQ_LENGTH)  # most of one epoch, as a 10B-token run uses it
-        sizes = [train_samples, 10_240, None]
-        print(f"data: {documents:,} documents, {tokens:,} tokens in {args.shards} shards "
-              f"(written in {time.perf_counter() - t0:.1f}s); train {train_samples:,} samples of {SEQ_LENGTH}, "
-              f"valid 10,240, split {SPLIT!r}")
+        data = write_sparse_prefixes(os.path.join(directory, "data"), prefixes, documents)
+        print(f"{args.shape} x {args.scale:g}: {prefixes} prefixes, {documents:,} documents (written in "
+              f"{time.perf_counter() - t0:.0f}s), {steps:,} steps x {GLOBAL_BATCH} = {steps * GLOBAL_BATCH:,} samples "
+              f"of {SEQ_LENGTH} tokens, split {SPLIT!r}", flush=True)
         results = {}
-        for side in ("megatron", "ours"):
-            results[side, "build"] = run_worker(side, "build", data, os.path.join(directory, f"cache_{side}"), sizes)
-            print(f"  {side:8} build: {results[side, 'build']}", flush=True)
-        for run in range(LOADS):  # alternating, so both sides see the same machine load; the fastest run counts
-            for side in ("megatron", "ours") if run % 2 == 0 else ("ours", "megatron"):
-                result = run_worker(side, "load", data, os.path.join(directory, f"cache_{side}"), sizes)
-                print(f"  {side:8} load {run}: {result}", flush=True)
-                best = results.get((side, "load"))
-                results[side, "load"] = result if best is None else {
-                    key: (max if key == "samples_per_second" else min)(best[key], result[key]) for key in best}
-        assert results["ours", "load"]["samples"] == results["megatron", "load"]["samples"]
+        sides = ("megatron", "ours")
+        for phase, runs in (("cold", args.cold_runs), ("warm", args.warm_runs)):
+            for run in range(runs):  # alternating, so both sides see the same machine load
+                for side in sides if run % 2 == 0 else sides[::-1]:
+                    cache = os.path.join(directory, f"cache_{side}")
+                    if phase == "cold":
+                        shutil.rmtree(cache, ignore_errors=True)
+                    result = run_worker(side, data, cache, steps)
+                    print(f"  {side:8} {phase} {run}: {result['seconds']:.2f}s, peak RSS growth "
+                          f"{result['memory_mib']:,.0f} MiB, {result['samples']:,} samples", flush=True)
+                    best = results.get((side, phase))
+                    if best is None or result["seconds"] < best["seconds"]:
+                        results[side, phase] = result
+        cache_sizes = {side: sum(os.path.getsize(p) for p in glob.glob(os.path.join(directory, f"cache_{side}", "*")))
+                       for side in sides}
 
-    def ratio(phase, key, higher_is_better=False):
-        theirs, ours = results["megatron", phase][key], results["ours", phase][key]
-        return (ours / theirs) if higher_is_better else (theirs / max(ours, 1e-9))
-
-    print(f"\n{'':34}{'megatron-core':>14}{'ours':>12}{'ratio':>8}   (ratio > 1: ours is better)")
-    rows = [("index build, cold (s)", "build", "seconds", False),
-            ("index build, cold (CPU s)", "build", "cpu_seconds", False),
-            ("index build peak memory (MiB)", "build", "memory_mib", False),
-            (f"index load, warm (s, min of {LOADS})", "load", "seconds", False),
-            ("index load peak memory (MiB)", "load", "memory_mib", False),
-            ("random access (samples/s)", "load", "samples_per_second", True)]
-    for label, phase, key, higher_is_better in rows:
-        print(f"{label:34}{results['megatron', phase][key]:>14,.2f}{results['ours', phase][key]:>12,.2f}"
-              f"{ratio(phase, key, higher_is_better):>8.2f}")
+    ours, theirs = results["ours", "cold"]["digests"], results["megatron", "cold"]["digests"]
+    agree = ours == theirs and all(results[side, "warm"]["digests"] == results[side, "cold"]["digests"]
+                                   for side in sides)
+    print(f"\n{'':28}{'megatron-core':>14}{'ours':>10}{'ours/theirs':>13}")
+    for label, phase, key in (("cold start (s)", "cold", "seconds"), ("cold peak RSS growth (MiB)", "cold", "memory_mib"),
+                              ("warm start (s)", "warm", "seconds"), ("warm peak RSS growth (MiB)", "warm", "memory_mib")):
+        a, b = results["megatron", phase][key], results["ours", phase][key]
+        print(f"{label:28}{a:>14,.2f}{b:>10,.2f}{b / max(a, 1e-9):>12.2f}x")
+    print(f"{'index cache on disk (MB)':28}{cache_sizes['megatron'] / 1e6:>14,.0f}{cache_sizes['ours'] / 1e6:>10,.0f}")
+    print(f"samples agree (every index array, {len(ours)} of them): {'yes' if agree else 'NO'}")
+    if not agree:
+        print("differing arrays:", sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

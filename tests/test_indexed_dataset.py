@@ -2,6 +2,7 @@
 arrays, the same samples, the same order); bad input named in one line, the index cache, the validation views, the
 sampler, the source of a sample, data fingerprints and the info / verify command line."""
 import glob
+import hashlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import numpy as np
@@ -17,8 +19,9 @@ import pytest
 import indexed_dataset
 from conftest import ROOT, corrupt, deny_writes, random_documents, write_ours
 from indexed_dataset import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder, LLMCValWindows,
-                             PretrainingSampler, blending_indices, build_gpt_datasets, gpt_indices,
-                             resolve_blend, sequential_samples, split_matrix, split_range, token_weighted_blend)
+                             PretrainingSampler, blending_indices, build_gpt_datasets, first_samples_agree,
+                             gpt_indices, one_epoch_samples, resolve_blend, sequential_samples, split_matrix,
+                             split_range, token_weighted_blend)
 
 with warnings.catch_warnings():  # megatron-core warns at import that Transformer Engine and Apex are missing
     warnings.simplefilter("ignore")
@@ -917,3 +920,59 @@ def test_verify_fails_on_empty_files(tmp_path, capsys):
 def test_indexed_dataset_imports_without_torch():
     code = "import sys, indexed_dataset; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a resume compares, and a warm start
+
+
+def test_plans_of_other_sizes_share_their_first_samples_exactly_when_their_orders_agree(tmp_path):
+    prefixes = make_prefixes(tmp_path, 2)
+    glob_of_prefixes = str(tmp_path / "part_*_text_document*")
+    epoch = one_epoch_samples(glob_of_prefixes, seq_length=16, split="90,8,2")
+    assert epoch == len(build_gpt_datasets(glob_of_prefixes, seq_length=16, split="90,8,2")[0])
+    blend = token_weighted_blend(glob_of_prefixes)
+    plans = {(paths, size): build_gpt_datasets(paths, seq_length=16, split="90,8,2", sizes=(size, 0, 0))[0]
+             for paths, size in [(glob_of_prefixes, 80), (glob_of_prefixes, 112), (tuple(blend), 5 * epoch // 2),
+                                 (tuple(blend), 5 * epoch // 2 + 20), (tuple(blend), 9 * epoch), (prefixes[0], 100),
+                                 (prefixes[0], 4000)]}
+    consumed = 80
+    for (a_paths, a_size), a in plans.items():
+        for (_, b_size), b in plans.items():
+            same_order = a.order == b.order
+            agree = first_samples_agree(a, b, consumed)
+            assert agree == same_order, (a_paths, a_size, b_size)
+            first = [(a[i]["tokens"].tolist(), b[i]["tokens"].tolist()) for i in range(consumed)]
+            assert agree == all(x == y for x, y in first)
+    # a size only cuts the plan short, epochs and blend weights change it
+    assert plans[glob_of_prefixes, 80].order == plans[glob_of_prefixes, 112].order
+    assert plans[tuple(blend), 5 * epoch // 2].order == plans[tuple(blend), 5 * epoch // 2 + 20].order
+    assert plans[tuple(blend), 5 * epoch // 2].order != plans[tuple(blend), 9 * epoch].order
+
+
+def test_a_warm_start_hashes_no_index(tmp_path, monkeypatch, capfd):
+    prefixes = make_prefixes(tmp_path, 2)
+    time.sleep(2.1)  # files changed within 2 s of the record are hashed again (a rewrite in one clock tick)
+    cache = str(tmp_path / "cache")
+    first = build(prefixes, cache, sizes=(1000, 50, 10))
+    hashed = []
+    real_digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name))
+    capfd.readouterr()
+    second = build(prefixes, cache, sizes=(1000, 50, 10))
+    assert hashed == [] and capfd.readouterr().err == ""
+    assert all(same_samples(a, b) for a, b in zip(first, second, strict=True))
+    assert [p.dataset.fingerprint for p in second[0].datasets] == [p.dataset.fingerprint for p in first[0].datasets]
+    corrupt(prefixes[1], ".idx", offset=index_layout(prefixes[1])[3] + 5 * 8, data=struct.pack("<q", 3))
+    with pytest.raises(ValueError, match=r"\.idx: corrupt: sequence 5 starts at byte 3"):  # a new version: checked
+        build(prefixes, cache, sizes=(1000, 50, 10))
+
+
+def test_prefixes_holding_the_same_data_share_one_cache_entry(tmp_path):
+    documents = random_documents(np.random.default_rng(30), 300)
+    prefixes = [write_ours(str(tmp_path / f"copy_{i}_text_document"), documents) for i in range(2)]
+    cache = str(tmp_path / "cache")
+    built, loaded = build(prefixes, cache), build(prefixes, cache)  # one entry, written once, read by both
+    assert all(same_samples(a, b) for a, b in zip(built, loaded, strict=True))
+    assert all(same_samples(a, b) for a, b in zip(built, build(prefixes, None), strict=True))
+    assert len(glob.glob(os.path.join(cache, "*-GPTDataset-train.json"))) == 1

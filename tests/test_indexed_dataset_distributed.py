@@ -1,8 +1,11 @@
 """indexed_dataset.py under torch.distributed (gloo, 2 ranks): rank 0 builds the index cache, the other rank loads
-it, both see the same samples, a failure on rank 0 reaches every rank, and the sampler splits the global order."""
+it, both see the same samples, a failure on rank 0 reaches every rank, and the sampler splits the global order; on two
+nodes whose caches are apart, each node's local rank 0 writes the cache its ranks read."""
 import glob
 import hashlib
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -83,3 +86,61 @@ def test_rank0_builds_the_cache_and_the_other_rank_loads_it(tmp_path):
     assert len(glob.glob(os.path.join(cache, "*-BlendedDataset-*.json"))) == 3
     assert len(glob.glob(os.path.join(cache, "*-IndexedDataset-checked.json"))) == 2
     assert not glob.glob(os.path.join(cache, ".*.tmp"))
+
+
+NODE_SCRIPT = textwrap.dedent("""
+    import datetime, hashlib, json, os, sys
+    import numpy as np
+    import torch.distributed as dist
+    sys.path.insert(0, sys.argv[1])
+    from indexed_dataset import build_gpt_datasets
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    # "cache" is relative: each node's working directory holds its own, as on nodes that share no filesystem
+    train = build_gpt_datasets(sys.argv[2], seq_length=16, split="90,8,2", sizes=(3000, 100, None),
+                               cache_dir="cache")[0]
+    digest = hashlib.sha256()
+    for i in range(len(train)):
+        digest.update(train[i]["tokens"].tobytes())
+    mapped = all(isinstance(a, np.memmap) for a in (train.dataset_index, train.datasets[1].sample_index))
+    print(json.dumps(dict(rank=dist.get_rank(), local_rank=int(os.environ["LOCAL_RANK"]), mapped=mapped,
+                          digest=digest.hexdigest())), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_every_node_builds_the_index_cache_it_reads(tmp_path):
+    # two nodes of two ranks (two torchrun agents, node ranks 0 and 1) whose index caches are different directories
+    rng = np.random.default_rng(1)
+    for i in range(2):
+        write_ours(str(tmp_path / f"part_{i}_text_document"), random_documents(rng, 400))
+    data = str(tmp_path / "part_*_text_document*")
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = []
+    for node in range(2):
+        os.makedirs(tmp_path / f"node{node}")
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank",
+             str(node), "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), ROOT, data],
+            cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for process in nodes:
+            out, err = process.communicate(timeout=300)
+            assert process.returncode == 0, out[-3000:] + err[-3000:]
+            outputs += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    finally:
+        for process in nodes:
+            process.kill()
+    assert sorted(o["rank"] for o in outputs) == [0, 1, 2, 3]
+    assert len({o["digest"] for o in outputs}) == 1
+    assert all(o["mapped"] for o in outputs if o["local_rank"] == 1)  # the node's leader wrote what they read
+    for node in range(2):
+        cache = tmp_path / f"node{node}" / "cache"
+        assert len(glob.glob(str(cache / "*-GPTDataset-*.json"))) == 6, node
+        assert len(glob.glob(str(cache / "*-BlendedDataset-*.json"))) == 3, node
+        assert len(glob.glob(str(cache / "*-IndexedDataset-checked.json"))) == 2, node

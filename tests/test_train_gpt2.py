@@ -832,3 +832,22 @@ def test_init_from_a_run_whose_newest_checkpoint_does_not_load_is_one_line(finis
         train_gpt2.main(tiny(prefix, tmp_path / "out", init_from=str(source), max_steps=2,
                              index_mapping_dir=str(tmp_path / "cache")))
     assert "\n" not in str(error.value)
+
+
+def test_max_steps_can_change_on_a_glob_while_the_samples_consumed_stay_the_same(tmp_path, capsys):
+    glob = small_byte_datasets(str(tmp_path), blocks_each=30)  # two prefixes, one epoch is more than 14 steps
+    common = dict(split="100,0,0", val_tokens=0, ckpt_every_steps=5, index_mapping_dir=str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    train_gpt2.main(tiny(glob, out, max_steps=10, **common))
+    shutil.rmtree(out / "ckpt" / "step_00000010")
+    shutil.rmtree(out / "hf")
+    refused = tmp_path / "refused"
+    shutil.copytree(out, refused)
+    capsys.readouterr()
+    assert train_gpt2.main(tiny(glob, out, max_steps=14, **common)) == 0  # resumes at step 5
+    assert "max_steps 10 -> 14: the 40 samples consumed are the same, in the same order" in capsys.readouterr().out
+    assert list(metrics(out, "train_loss")) == list(range(14))
+    # past one epoch the glob is blended by token count: the 40 samples consumed are others
+    with pytest.raises(ValueError, match=r"max_steps 10 -> 200 \(the train split is then built in other epochs or "
+                                         r"blended otherwise: the 40 samples consumed differ\)"):
+        train_gpt2.main(tiny(glob, refused, max_steps=200, **common))
