@@ -853,15 +853,35 @@ class Evaluator:
 # the training loop
 
 class StopRequest:
-    """SIGTERM/SIGINT remembered to checkpoint and exit 128 + signum; a second one interrupts at once."""
+    """SIGTERM/SIGINT remembered: the run checkpoints at the next step (or between evaluation batches) and exits
+    128 + signum. While it stops, more SIGTERMs are absorbed (a scheduler signals every process, then torchrun
+    forwards its own): none may kill the worker before its checkpoint. A person's second Ctrl-C is told that the
+    checkpoint is being written; a third one aborts at once without it, as kill -9 does."""
 
     def __init__(self):
         self.signal = self.time = None
+        self.interrupts, self.told = 0, False  # SIGINTs after the first signal; the repeated SIGTERM said
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handle(self, signum, frame):
-        self.signal, self.time = signum, time.perf_counter()
-        self.restore()
+        if self.signal is None:
+            self.signal, self.time = signum, time.perf_counter()
+            return
+        if signum == signal.SIGTERM:
+            if not self.told and is_master():
+                print("SIGTERM again while stopping: ignored, the checkpoint is being written", file=sys.stderr,
+                      flush=True)
+            self.told = True
+            return
+        self.interrupts += 1
+        if self.interrupts == 1 and is_master():
+            print("stopping: the checkpoint is being written; Ctrl-C again (or kill -9) aborts without it, and a rerun "
+                  "then resumes from the checkpoint before", file=sys.stderr, flush=True)
+        elif self.interrupts > 1:  # the person insists: die by SIGINT now, with no traceback and no checkpoint
+            print("aborted without a checkpoint; rerun the same command to resume from the last one", file=sys.stderr,
+                  flush=True)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
 
     def restore(self):
         for s, handler in self.previous.items():

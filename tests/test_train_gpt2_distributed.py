@@ -217,6 +217,36 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_proc
     assert metrics(out, "val_loss") == metrics(one_process_run, "val_loss")
 
 
+def test_a_schedulers_double_sigterm_still_checkpoints_at_the_stop_step_and_resumes_exactly(data, two_rank_run,
+                                                                                             tmp_path):
+    # Slurm signals every process of the job, then torchrun forwards its own SIGTERM: the second must not kill
+    out = tmp_path / "preempted"
+    log_path = tmp_path / "run.out"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(torchrun(tiny(data, out)), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(out / "main.log", r"^s:13 trl", proc)
+        for pid in process_tree(proc.pid)[1:]:  # the workers
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    output = log_path.read_text()
+    stopped = re.search(r"stopped by a signal at step (\d+)", output)
+    assert stopped, output[-3000:]
+    step = int(stopped.group(1))
+    assert step > 13 and checkpoints(out)[-1] == f"step_{step:08d}", output[-3000:]
+    assert output.count("SIGTERM again while stopping") <= 1
+    # torchrun reports the signal it got with a traceback of its own; the workers print none
+    assert output.count("Traceback") == output.count("elastic.multiprocessing.api.SignalException: Process"), output
+
+    run(torchrun(tiny(data, out)))
+    assert metrics(out, "train_loss") == metrics(two_rank_run, "train_loss")
+    assert metrics(out, "val_loss") == metrics(two_rank_run, "val_loss")
+
+
 KILL_IN_SECOND_CHECKPOINT_WRITE = """
 import os, signal, sys
 import train_gpt2
