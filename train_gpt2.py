@@ -35,7 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 import hellaswag
 from atomic_io import atomic_save, atomic_write, fsync_dir
@@ -445,6 +446,15 @@ def fsync_tree(path):
     return sizes
 
 
+def training_state(model, optimizer, step):
+    """The state dict a checkpoint at `step` holds. Before the first update AdamW has no state, and get_state_dict
+    would make one up (step 1, zero moments) that changes every later update: a step-0 checkpoint holds the model."""
+    if step == 0:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
 def save_checkpoint(cfg, model, optimizer, step, data):
     """step_N.tmp (DCP shards, rng.pt, train_state.json) fsynced, its marker, renamed to step_N. Collective."""
     assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
@@ -460,8 +470,7 @@ def save_checkpoint(cfg, model, optimizer, step, data):
         os.makedirs(tmp)
     barrier()
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        dcp.save(training_state(model, optimizer, step), checkpoint_id=tmp)
         if master:  # dcp.save returns on rank 0 after every rank's files are written
             rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                        cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
@@ -501,9 +510,14 @@ def load_checkpoint(ckpt_path, model, optimizer):
     for path in [ckpt_path] + broadcast_object(older):
         error = None
         try:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)  # in place
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            train_state = read_train_state(path)
+            state = training_state(model, optimizer, train_state["step"])
+            dcp.load(state, checkpoint_id=path)  # in place
+            if "optim" in state:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            else:  # no update yet: AdamW starts without state, as in the uninterrupted run
+                set_model_state_dict(model, state["model"])
+                optimizer.state.clear()
             if nonfinite(model, optimizer):
                 raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite Adam moment")
             # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all
@@ -513,7 +527,6 @@ def load_checkpoint(ckpt_path, model, optimizer):
             random.setstate(rng["python"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-            train_state = read_train_state(path)
         except (Exception, dcp.CheckpointException) as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not any_rank(error is not None):

@@ -475,6 +475,13 @@ if kind == "bytes" and rank == args[0]:  # once args[2] bytes of this rank's sha
             die()
         return result
     train_gpt2.dcp.save, fs._write_item = save, write_item
+if kind == "sigterm_at_eval":  # every rank signalled at the start of the evaluation at step args[0]
+    real_evaluate = train_gpt2.Evaluator.__call__
+    def evaluate(self, model, step, stop):
+        if step == args[0]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(self, model, step, stop)
+    train_gpt2.Evaluator.__call__ = evaluate
 if kind == "marker" and rank == 0:  # every file of checkpoint step args[0] written and synced, the marker not yet
     real_fsync_tree = train_gpt2.fsync_tree
     def fsync_tree(path):
@@ -528,6 +535,38 @@ def test_sigkill_at_seeded_points_then_rerun_gives_the_uninterrupted_run_bit_for
     assert result.returncode == 0, result.stderr[-3000:]
     assert metrics(out, "train_loss") == metrics(tmp_path / "reference", "train_loss")
     assert metrics(out, "val_loss") == metrics(tmp_path / "reference", "val_loss")
+
+
+def test_a_stop_before_the_first_update_resumes_bit_for_bit_on_one_process(data, tmp_path, monkeypatch):
+    args = dict(max_steps=12, ckpt_every_steps=4)
+    train_gpt2.main(tiny(data, tmp_path / "reference", **args))
+    out = tmp_path / "stopped"
+    real_build_optimizer = train_gpt2.build_optimizer
+
+    def build_optimizer_and_signal(*a):  # a SIGTERM during setup, before the step-0 evaluation
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build_optimizer(*a)
+
+    monkeypatch.setattr(train_gpt2, "build_optimizer", build_optimizer_and_signal)
+    assert train_gpt2.main(tiny(data, out, **args)) == 128 + signal.SIGTERM
+    assert checkpoints(out) == ["step_00000000"]
+    monkeypatch.undo()
+    assert train_gpt2.main(tiny(data, out, **args)) == 0
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(tmp_path / "reference", key)
+    assert vislog(out / "main.log") == vislog(tmp_path / "reference" / "main.log")
+
+
+def test_a_stop_during_the_step_0_evaluation_resumes_bit_for_bit_on_two_ranks(data, tmp_path):
+    args = dict(max_steps=12, ckpt_every_steps=4)
+    assert launch(tmp_path, tiny(data, tmp_path / "reference", **args)).returncode == 0
+    out = tmp_path / "stopped"
+    result = launch(tmp_path, tiny(data, out, **args), "sigterm_at_eval:0")
+    assert "stopped by a signal at step 0" in result.stdout, result.stderr[-3000:]
+    assert checkpoints(out) == ["step_00000000"]
+    assert launch(tmp_path, tiny(data, out, **args)).returncode == 0
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(tmp_path / "reference", key)
 
 
 def test_non_finite_weights_are_never_checkpointed_or_exported(data, tmp_path):
