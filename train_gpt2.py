@@ -21,6 +21,7 @@ import math
 import os
 import queue
 import random
+import re
 import resource
 import shutil
 import signal
@@ -901,6 +902,10 @@ class StopRequest:
             signal.signal(s, handler)
 
 
+class PeerLost(Exception):
+    """Another rank died or stopped answering: this rank ends with one line, and rerunning resumes."""
+
+
 class RunLog:
     """On rank 0: a console line, a main.log line (llm.c's format), a metrics.jsonl record (and wandb's)."""
 
@@ -1125,13 +1130,41 @@ def main(argv=None):
     return run(load_config(sys.argv[1:] if argv is None else argv))
 
 
-def run(cfg):
+def lost_peer(error):
+    """The first line of what says that another rank died or stopped answering (a gloo/NCCL error in a
+    collective, also one DCP wraps), or None."""
+    causes, seen = [error], set()
+    while causes:
+        e = causes.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and any(
+                words in str(e) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                              "Timed out waiting", "NCCL communicator was aborted")):
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0]  # gloo's source location and advice off
+        causes += [e.__cause__, e.__context__]
+        causes += [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
+    return None
+
+
+def run(cfg, restore_signals=True):
+    """Train; `restore_signals` False (the command line): SIGTERM/SIGINT stay absorbed until the process exits,
+    so a signal that arrives while an error is reported (torchrun's, after a peer died) cannot cut it short."""
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
     log, stop = RunLog(cfg.out_dir), StopRequest()
     try:
         return train(cfg, rank, world_size, device, log, stop)
+    except Exception as e:
+        cause = lost_peer(e) if world_size > 1 else None
+        if cause is None:
+            raise
+        raise PeerLost(f"lost another rank of the run (killed, or its node failed or stopped answering: {cause}); "
+                       f"rerun the same command to resume from the last checkpoint") from None
     finally:
-        stop.restore()
+        if restore_signals:
+            stop.restore()
         if log.wandb is not None:
             log.wandb.finish()
         while LOCKS:
@@ -1155,8 +1188,8 @@ def cli(argv=None):
         sys.exit(f"train_gpt2.py: error: {e}" if int(os.environ.get("RANK", 0)) == 0 else 1)
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        sys.exit(run(cfg))
-    except (ValueError, FloatingPointError) as e:
+        sys.exit(run(cfg, restore_signals=False))
+    except (ValueError, FloatingPointError, PeerLost) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
     except OSError as e:  # a file or directory the run cannot use: full disk, read-only, a file in the path
         space, write = "free some space or choose another out_dir", "choose a directory you can write to"

@@ -191,6 +191,27 @@ def test_kill9_then_resume_is_exact_and_resumes_on_another_world_size(data, two_
     assert_same_trajectory(tmp_path / "killed_copy", two_rank_run)
 
 
+def test_a_lost_peer_ends_each_survivor_with_one_line_saying_a_rerun_resumes(data, tmp_path):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    cmd = torchrun(tiny(data, out, dist_timeout_s=20))
+    cmd[3:3] = ["--log-dir", str(logs), "--redirects", "3"]  # each worker's stdout and stderr in a file of its own
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_line(out / "main.log", r"^s:5 trl", proc)
+        for pid in process_tree(proc.pid)[1:]:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"RANK=1" in f.read().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    [stderr_path] = logs.glob("*/attempt_0/0/stderr.log")
+    lines = [line for line in stderr_path.read_text().splitlines() if not line.startswith("indexed_dataset:")]
+    assert len(lines) == 1, "\n".join(lines[-50:])
+    assert re.fullmatch(r"\[rank 0\] train_gpt2.py: error: lost another rank of the run \(killed, .*\); rerun the "
+                        r"same command to resume from the last checkpoint", lines[0]), lines[0]
+
+
 def sigterm_one_process(args, out, pattern):
     """Run train_gpt2.py in one process, SIGTERM it once `pattern` is in its main.log; (process, stdout, stderr)."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args], cwd=ROOT,
