@@ -777,11 +777,13 @@ def host_batch(dataset, indices, vocab_size, pin):
     """Samples `indices` as (tokens, labels) on the host; an id outside the vocabulary named here, not a GPU assert."""
     samples = [dataset[i] for i in indices]
     tokens, labels = np.stack([s["tokens"] for s in samples]), np.stack([s["labels"] for s in samples])
-    top = np.maximum(tokens.max(axis=1), labels.max(axis=1))  # on the host: no device sync
-    if top.max() >= vocab_size:
-        row = int(top.argmax())
-        raise ValueError(f"token id {top[row]} in {dataset.describe(indices[row])} is outside the model's vocabulary "
-                         f"(vocab_size {vocab_size})")
+    # on the host, no device sync; ids below 0 come from signed (int32) datasets and index the embedding from its end
+    top = np.maximum(tokens.max(axis=1), labels.max(axis=1))
+    bottom = np.minimum(tokens.min(axis=1), labels.min(axis=1))
+    for ids, row in ((top, int(top.argmax())), (bottom, int(bottom.argmin()))):
+        if not 0 <= ids[row] < vocab_size:
+            raise ValueError(f"token id {ids[row]} in {dataset.describe(indices[row])} is outside the model's "
+                             f"vocabulary (vocab_size {vocab_size})")
     tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 

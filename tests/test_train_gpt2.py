@@ -22,8 +22,8 @@ import torch.nn.functional as F
 import hellaswag
 import train_gpt2
 from conftest import (BYTE_EOT, ROOT, checkpoints, metrics, save_tiny_hf_gpt2, tiny, torchrun, vislog,
-                      write_byte_dataset)
-from indexed_dataset import IndexedDatasetBuilder
+                      write_byte_dataset, write_ours)
+from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from model import MARKER, check_checkpoint, complete_checkpoints
 from tokenizer import EOT_ID, gpt2_encoding
 from train_gpt2 import parse_config
@@ -244,14 +244,19 @@ def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tm
     assert train_gpt2.main(args + ["--eval_only=True", "--max_steps=5"]) == 0  # evaluation needs no step budget
 
 
-def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path):
+@pytest.mark.parametrize("dtype, bad", [(np.uint16, 600), (np.int32, -3)])
+def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path, dtype, bad):
     prefix = str(tmp_path / "bad")
     write_byte_dataset(prefix)
-    tokens = np.memmap(prefix + ".bin", np.uint16, "r+")
-    tokens[::5000] = 600  # bit rot: beyond the 512-token vocabulary
+    if dtype is np.int32:  # the same documents in a signed int32 dataset, as Megatron writes for large vocabularies
+        dataset = IndexedDataset(prefix)
+        write_ours(prefix + "32", [(dataset[i], [len(dataset[i])]) for i in range(len(dataset))], np.int32)
+        prefix += "32"
+    tokens = np.memmap(prefix + ".bin", dtype, "r+")
+    tokens[::5000] = bad  # bit rot: beyond the 512-token vocabulary, or below 0
     tokens.flush()
-    with pytest.raises(ValueError, match=r"token id 600 in .*bad: documents? \d+.* \(sample \d+\) is outside the "
-                                         r"model's vocabulary \(vocab_size 512\)"):
+    with pytest.raises(ValueError, match=rf"token id {bad} in .*bad(32)?: documents? \d+.* \(sample \d+\) is outside "
+                                         r"the model's vocabulary \(vocab_size 512\)"):
         train_gpt2.main(tiny(prefix, tmp_path / "out", max_steps=400, val_tokens=0, val_every_steps=1000,
                              index_mapping_dir=str(tmp_path / "cache")))
 
