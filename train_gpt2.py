@@ -373,6 +373,20 @@ def lock_out_dir(out_dir):
     LOCKS.append(fd)
 
 
+def cut_torn_line(path):
+    """Cut a last line that has no newline (the run was killed inside its write), so that the next record does not
+    run into it; a message saying so, or None."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb+") as f:
+        text = f.read()
+        if not text or text.endswith(b"\n"):
+            return None
+        keep = text.rfind(b"\n") + 1
+        f.truncate(keep)
+    return f"{path}: cut its partial last line (the run was killed while writing it): {text[keep:][:60]!r}"
+
+
 def prepare_out_dir(out_dir):
     """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or None."""
     if not out_dir.strip():
@@ -396,6 +410,9 @@ def prepare_out_dir(out_dir):
             print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
             shutil.rmtree(os.path.join(ckpt_root, name))
     resume_path, messages = newest_usable_checkpoint(ckpt_root)
+    for name in ("main.log", "metrics.jsonl") if resume_path else ():  # the resumed run appends to them
+        if message := cut_torn_line(os.path.join(out_dir, name)):
+            messages.append(message)
     for name in () if resume_path else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
         log_path, k = os.path.join(out_dir, name), 1
         while os.path.exists(f"{log_path}.{k}"):

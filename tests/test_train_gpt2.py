@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag
+import plot_log
 import train_gpt2
 from conftest import (BYTE_EOT, ROOT, checkpoints, metrics, save_tiny_hf_gpt2, tiny, torchrun, vislog,
                       write_byte_dataset, write_ours)
@@ -471,6 +472,25 @@ def test_fresh_run_moves_old_logs_aside_and_a_resumed_run_appends(data, tmp_path
     assert sorted(vislog(out / "main.log")["trl"]) == [0, 1]
     train_gpt2.main(tiny(data, out, max_steps=4))  # resumes from step 2: the same log goes on
     assert sorted(vislog(out / "main.log")["trl"]) == [0, 1, 2, 3] and not os.path.exists(out / "main.log.3")
+
+
+def test_a_torn_last_line_of_the_logs_is_cut_on_resume_and_said(data, tmp_path, capsys):
+    out = tmp_path / "torn"
+    train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=3))
+    with open(out / "main.log", "a") as f:  # killed inside the writes of step 6's records
+        f.write("s:6 trl:5.12")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "train_lo')
+    capsys.readouterr()
+    train_gpt2.main(tiny(data, out, max_steps=9, ckpt_every_steps=3))
+    said = capsys.readouterr().out
+    assert f"{out / 'main.log'}: cut its partial last line (the run was killed while writing it): b's:6 trl:5.12'" \
+        in said and f"{out / 'metrics.jsonl'}: cut its partial last line" in said
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 6, 9]
+    streams = plot_log.parse_log(str(out / "main.log"))
+    assert [step for step, _ in streams["tel"]] == [0, 6, 9] and [s for s, _ in streams["trl"]] == list(range(9))
+    assert "skipped" not in capsys.readouterr().err
 
 
 def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp_path):
