@@ -387,8 +387,9 @@ def cut_torn_line(path):
     return f"{path}: cut its partial last line (the run was killed while writing it): {text[keep:][:60]!r}"
 
 
-def prepare_out_dir(out_dir):
-    """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or None."""
+def prepare_out_dir(out_dir, eval_only=False):
+    """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or None. Under
+    eval_only the run's own logs are left alone: an evaluation appends to out_dir/eval/main.log and metrics.jsonl."""
     if not out_dir.strip():
         raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
     path = os.path.realpath(out_dir)
@@ -410,10 +411,12 @@ def prepare_out_dir(out_dir):
             print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
             shutil.rmtree(os.path.join(ckpt_root, name))
     resume_path, messages = newest_usable_checkpoint(ckpt_root)
-    for name in ("main.log", "metrics.jsonl") if resume_path else ():  # the resumed run appends to them
-        if message := cut_torn_line(os.path.join(out_dir, name)):
+    log_dir = os.path.join(out_dir, "eval") if eval_only else out_dir
+    os.makedirs(log_dir, exist_ok=True)
+    for name in ("main.log", "metrics.jsonl") if resume_path or eval_only else ():  # appended to from here on
+        if message := cut_torn_line(os.path.join(log_dir, name)):
             messages.append(message)
-    for name in () if resume_path else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
+    for name in () if resume_path or eval_only else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
         log_path, k = os.path.join(out_dir, name), 1
         while os.path.exists(f"{log_path}.{k}"):
             k += 1
@@ -926,24 +929,27 @@ class PeerLost(Exception):
 
 
 class RunLog:
-    """On rank 0: a console line, a main.log line (llm.c's format), a metrics.jsonl record (and wandb's)."""
+    """On rank 0: a console line, a main.log line (llm.c's format), a metrics.jsonl record (and wandb's), in out_dir
+    (a run's, or its eval/ subdirectory under eval_only)."""
 
     def __init__(self, out_dir):
         self.out_dir, self.master, self.wandb = out_dir, is_master(), None
 
     def start(self, cfg, resumed):
-        """On rank 0, once the config is accepted: train_config.json and, with wandb_log, the out_dir's wandb run."""
-        with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
+        """On rank 0, once the config is accepted: train_config.json (eval_config.json under eval_only) and, with
+        wandb_log, the wandb run of this directory."""
+        name = "eval_config.json" if cfg.eval_only else "train_config.json"
+        with atomic_write(os.path.join(self.out_dir, name), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         if not cfg.wandb_log:
             return
         import wandb
-        id_path = os.path.join(cfg.out_dir, "wandb_run_id")
+        id_path = os.path.join(self.out_dir, "wandb_run_id")
         run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else os.urandom(4).hex()
         with atomic_write(id_path, "w") as f:
             f.write(run_id)
-        self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=cfg.out_dir,
+        self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=self.out_dir,
                                 name=cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir)),
                                 config=dataclasses.asdict(cfg))
         self.wandb.define_metric("*", step_metric="step")  # plotted against the training step, not wandb's counter
@@ -1052,17 +1058,23 @@ class StepLog:
 
 
 def setup(cfg, world_size, device, log, stop):
-    """out_dir, data, model, optimizer, resume, evaluation, in that order; None when nothing is left to train."""
-    resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir))
+    """out_dir, data, model, optimizer, resume, evaluation, in that order; an exit status when nothing is left to
+    train (eval_only, or a run already complete)."""
+    resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir, cfg.eval_only))
     if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
         log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
-        return None
+        return 0
     train_data, val_data = build_data(cfg, log)
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
         f"{max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))}; "
         + (f"FSDP2 over a {device.type} mesh of {world_size} ranks; " if dist.is_initialized() else "")
         + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
     model_config, init = starting_point(cfg, resume_path)
+    # the weights' architecture wins (init_from or a checkpoint): train_config.json records the model trained
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size"):
+        if getattr(cfg, key) != getattr(model_config, key):
+            log(f"{key} {getattr(model_config, key)} from {init[1]} (the config's {getattr(cfg, key)} does not apply)")
+            setattr(cfg, key, getattr(model_config, key))
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's context "
                          f"({model_config.block_size} positions)")
@@ -1076,15 +1088,16 @@ def setup(cfg, world_size, device, log, stop):
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)
     if cfg.eval_only:
-        evaluate(model, step, stop)
-        return None
+        log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the config to "
+            f"eval_config.json); the run's own logs are left as they are")
+        return 0 if evaluate(model, step, stop) else 128 + (stop.signal or signal.SIGTERM)
     return model, optimizer, step, train_data, evaluate, step_log, data
 
 
 def train(cfg, rank, world_size, device, log, stop):
     state = setup(cfg, world_size, device, log, stop)
-    if state is None:
-        return 0
+    if isinstance(state, int):
+        return state
     model, optimizer, step, train_data, evaluate, step_log, data = state
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
@@ -1172,7 +1185,8 @@ def run(cfg, restore_signals=True):
     """Train; `restore_signals` False (the command line): SIGTERM/SIGINT stay absorbed until the process exits,
     so a signal that arrives while an error is reported (torchrun's, after a peer died) cannot cut it short."""
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
-    log, stop = RunLog(cfg.out_dir), StopRequest()
+    log = RunLog(os.path.join(cfg.out_dir, "eval") if cfg.eval_only else cfg.out_dir)
+    stop = StopRequest()
     try:
         return train(cfg, rank, world_size, device, log, stop)
     except Exception as e:

@@ -245,6 +245,23 @@ def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tm
     assert train_gpt2.main(args + ["--eval_only=True", "--max_steps=5"]) == 0  # evaluation needs no step budget
 
 
+def test_eval_only_on_a_finished_run_leaves_its_records_and_writes_its_own(finished, tmp_path, capsys):
+    prefix, out = finished
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    before = {name: (copy / name).read_bytes() for name in ("metrics.jsonl", "main.log", "train_config.json")}
+    args = tiny(prefix, copy, max_steps=20, index_mapping_dir=os.path.join(os.path.dirname(prefix), "..", "cache"))
+    for val_tokens in (256, 512):
+        assert train_gpt2.main(args + ["--eval_only=True", f"--val_tokens={val_tokens}"]) == 0
+    assert {name: (copy / name).read_bytes() for name in before} == before
+    assert f"eval_only: the results are appended to {copy / 'eval'}/main.log" in capsys.readouterr().out
+    records = [json.loads(line) for line in (copy / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 20]
+    assert [r["val_loss"] for r in records if "val_loss" in r][1] == metrics(copy, "val_loss")[20]  # as trained
+    assert json.loads((copy / "eval" / "eval_config.json").read_text())["val_tokens"] == 512
+    assert plot_log.parse_log(str(copy))["tel"][-1] == (20, round(metrics(copy, "val_loss")[20], 4))
+
+
 @pytest.mark.parametrize("dtype, bad", [(np.uint16, 600), (np.int32, -3)])
 def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path, dtype, bad):
     prefix = str(tmp_path / "bad")
@@ -707,7 +724,7 @@ def eval_only_args(hf_dir, prefix, out, **overrides):
 
 
 def val_loss_logged(out):
-    return metrics(out, "val_loss")[0]
+    return metrics(out / "eval", "val_loss")[0]
 
 
 def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf_dir, val_prefix, tmp_path):
@@ -727,11 +744,11 @@ def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf
 def test_eval_only_writes_the_reference_line_and_hellaswag_of_the_standalone_script(hf_dir, val_prefix, tmp_path):
     out = tmp_path / "gpt2_reference"
     train_gpt2.main(eval_only_args(hf_dir, val_prefix, out, hellaswag=HELLASWAG_FIXTURE))
-    streams = vislog(out / "main.log")
+    streams = vislog(out / "eval" / "main.log")
     assert set(streams) == {"tel", "eval"} and set(streams["tel"]) == {0} and set(streams["eval"]) == {0}
     standalone = hellaswag.main(["--model", hf_dir, "--data", HELLASWAG_FIXTURE])
     assert streams["eval"][0] == pytest.approx(round(standalone["acc_norm"], 4))
-    assert metrics(out, "hellaswag_acc_norm")[0] == standalone["acc_norm"]
+    assert metrics(out / "eval", "hellaswag_acc_norm")[0] == standalone["acc_norm"]
     assert not os.path.exists(out / "hf")  # nothing trained, nothing written
     assert not os.path.isdir(out / "ckpt") or not os.listdir(out / "ckpt")
 
