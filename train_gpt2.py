@@ -655,8 +655,13 @@ def starting_point(cfg, resume_path):
                              f"checkpoint's architecture or another out_dir")
         return model_config, ("resume", resume_path)
     if cfg.init_from is not None and is_run_or_checkpoint(cfg.init_from):
-        ckpt_path = resolve_checkpoint(cfg.init_from)
-        return GPTConfig(**read_train_state(ckpt_path)["model_config"]), ("checkpoint", ckpt_path)
+        configs = {}  # a live run may delete its newest checkpoint meanwhile: then the next newest is read
+
+        def read(path):
+            configs[path] = read_train_state(path)["model_config"]
+
+        model_config = on_rank0(lambda: configs[resolve_checkpoint(cfg.init_from, load=read)])
+        return GPTConfig(**model_config), ("checkpoint", cfg.init_from)
     if cfg.init_from is None:
         return GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd), ("seed", cfg.seed)
@@ -692,12 +697,46 @@ def build_model(model_config, init, cfg, device):
     elif kind == "hf":
         load_hf_sharded(model, source)
     elif kind == "checkpoint":  # init_from another run: its weights, a fresh optimizer
-        try:
-            load_weights(source, model)
-        except (ValueError, dcp.CheckpointException, RuntimeError) as e:  # damaged although its files look complete
-            raise ValueError(f"init_from {source}: the checkpoint does not load: {str(e).strip().splitlines()[0]}") \
-                from None
+        path = load_init_checkpoint(source, model)
+        if is_master():
+            print(f"init_from: loaded the weights of {path}")
     return model
+
+
+def load_init_checkpoint(source, model):
+    """Load the weights of `source` (a checkpoint, or a run's newest usable one) into `model` on every rank; the path.
+    Rank 0 chooses with model.resolve_checkpoint, which retries as sample.py does when a live run deletes the chosen
+    checkpoint (ckpt_keep) before it is read; every rank loads each path it tries, as a load is collective."""
+    def load(path):  # on every rank, the same path
+        error = None
+        try:
+            load_weights(path, model)
+        except (ValueError, RuntimeError, OSError, dcp.CheckpointException) as e:
+            error = e  # damaged although its files look complete, or deleted meanwhile
+        if any_rank(error is not None):  # a RuntimeError, which resolve_checkpoint catches (DCP's is no Exception)
+            raise RuntimeError(str(error).strip() if error is not None else "it failed to load on another rank")
+
+    def lead(path):  # rank 0's tries, which the other ranks follow
+        broadcast_object(path)
+        load(path)
+
+    outcome = None
+    if is_master():
+        try:
+            outcome = resolve_checkpoint(source, load=lead), None
+        except (Exception, dcp.CheckpointException) as e:
+            outcome = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        broadcast_object(None)  # no more tries
+    else:
+        while (path := broadcast_object(None)) is not None:
+            try:
+                load(path)
+            except (Exception, dcp.CheckpointException):
+                pass  # rank 0 says what failed
+    path, error = broadcast_object(outcome)
+    if error is not None:
+        raise ValueError(f"init_from {source}: the checkpoint does not load: {error}")
+    return path
 
 
 def memory_plan(model_config, cfg, world_size, device):

@@ -864,13 +864,40 @@ def test_a_blends_weights_are_said_at_every_start(data, tmp_path, capsys):
         assert f"train blend: {data} 0.2500, {other} 0.7500" in capsys.readouterr().out
 
 
-def test_init_from_a_run_whose_newest_checkpoint_does_not_load_is_one_line(finished, tmp_path):
+def test_init_from_a_run_whose_newest_checkpoint_does_not_load_takes_the_one_before(finished, tmp_path, capsys):
     prefix, out = finished
     source = tmp_path / "source"
     shutil.copytree(out, source)
     metadata = source / "ckpt" / "step_00000020" / ".metadata"
     metadata.write_bytes(bytes(len(metadata.read_bytes())))  # the same size, so only loading finds it out
+    args = tiny(prefix, tmp_path / "out", max_steps=2, index_mapping_dir=str(tmp_path / "cache"))
+    assert train_gpt2.main(args + [f"--init_from={source}", "--n_layer=3", "--n_embd=64"]) == 0
+    said = capsys.readouterr()
+    assert re.search(r"skipping damaged checkpoint .*step_00000020: .*; left in place", said.err)
+    assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000010'}" in said.out
+    assert f"n_layer 2 from {source} (the config's 3 does not apply)" in said.out
+    trained = json.loads((tmp_path / "out" / "train_config.json").read_text())
+    assert (trained["n_layer"], trained["n_embd"]) == (2, 32)  # the model's sizes, not the config's
     with pytest.raises(ValueError, match=r"init_from .*step_00000020: the checkpoint does not load") as error:
-        train_gpt2.main(tiny(prefix, tmp_path / "out", init_from=str(source), max_steps=2,
-                             index_mapping_dir=str(tmp_path / "cache")))
+        train_gpt2.main(args + [f"--init_from={source / 'ckpt' / 'step_00000020'}", f"--out_dir={tmp_path / 'b'}"])
     assert "\n" not in str(error.value)
+
+
+def test_init_from_and_eval_only_of_a_live_run_that_deletes_the_chosen_checkpoint_take_its_newer_one(
+        finished, tmp_path, monkeypatch, capsys):
+    prefix, out = finished
+    source = tmp_path / "live"
+    shutil.copytree(out, source)
+    real_load_weights = train_gpt2.load_weights
+
+    def load_while_the_run_moves_on(path, model):  # the live run (ckpt_keep=1) writes step 30, deletes step 20
+        if path.endswith("step_00000020"):
+            os.rename(path, source / "ckpt" / "step_00000030")
+        return real_load_weights(path, model)
+
+    monkeypatch.setattr(train_gpt2, "load_weights", load_while_the_run_moves_on)
+    args = tiny(prefix, tmp_path / "out", max_steps=2, init_from=str(source), index_mapping_dir=str(tmp_path / "c"))
+    for extra in ([], ["--eval_only=True", f"--out_dir={tmp_path / 'eval'}"]):
+        assert train_gpt2.main(args + extra) == 0
+        assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000030'}" in capsys.readouterr().out
+        os.rename(source / "ckpt" / "step_00000030", source / "ckpt" / "step_00000020")

@@ -503,6 +503,14 @@ if kind == "sigterm_at_eval":  # every rank signalled at the start of the evalua
             os.kill(os.getpid(), signal.SIGTERM)
         return real_evaluate(self, model, step, stop)
     train_gpt2.Evaluator.__call__ = evaluate
+if kind == "live_init_from" and rank == 0:  # init_from's first checkpoint deleted by its live run (ckpt_keep=1) as
+    real_load_weights, tried = train_gpt2.load_weights, []  # it writes a newer one, before this rank reads it
+    def load_weights(path, model):
+        if not tried:
+            tried.append(path)
+            os.rename(path, os.path.join(os.path.dirname(path), "step_00000099"))
+        return real_load_weights(path, model)
+    train_gpt2.load_weights = load_weights
 if kind == "marker" and rank == 0:  # every file of checkpoint step args[0] written and synced, the marker not yet
     real_fsync_tree = train_gpt2.fsync_tree
     def fsync_tree(path):
@@ -588,6 +596,14 @@ def test_a_stop_during_the_step_0_evaluation_resumes_bit_for_bit_on_two_ranks(da
     assert launch(tmp_path, tiny(data, out, **args)).returncode == 0
     for key in ("train_loss", "val_loss", "grad_norm"):
         assert metrics(out, key) == metrics(tmp_path / "reference", key)
+
+
+def test_init_from_a_live_run_on_two_ranks_loads_its_newer_checkpoint_on_every_rank(data, tmp_path):
+    source = tmp_path / "source"
+    assert launch(tmp_path, tiny(data, source, max_steps=4, ckpt_every_steps=2)).returncode == 0
+    result = launch(tmp_path, tiny(data, tmp_path / "out", max_steps=2, init_from=str(source)), "live_init_from")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000099'}" in result.stdout
 
 
 def test_non_finite_weights_are_never_checkpointed_or_exported(data, tmp_path):
