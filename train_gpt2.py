@@ -338,6 +338,27 @@ def on_rank0(work):
     return result
 
 
+def on_each_node(work):
+    """work() done first by each node's local rank 0 (a hub download into that node's own cache: nodes need not share
+    a home directory), then by the node's other ranks, which find it there; the first error raised on every rank."""
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    result = None
+    for my_turn in (first, not first):
+        error = None
+        if my_turn:
+            try:
+                result = work()
+            except (ValueError, OSError) as e:
+                error = e
+        errors = [error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        if any(e is not None for e in errors):
+            raise next(e for e in errors if e is not None)
+    return result
+
+
 def any_rank(flag):
     """Whether `flag` is true on any rank (a collective: every rank calls it)."""
     if not dist.is_initialized():
@@ -665,8 +686,7 @@ def starting_point(cfg, resume_path):
     if cfg.init_from is None:
         return GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd), ("seed", cfg.seed)
-    on_rank0(lambda: resolve_pretrained(cfg.init_from))  # a hub id is downloaded once; the others find it cached
-    directory, hf_config = resolve_pretrained(cfg.init_from)
+    directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))  # a hub id: downloaded per node
     return dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size), ("hf", directory)
 
 

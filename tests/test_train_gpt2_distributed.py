@@ -14,6 +14,7 @@ import re
 import runpy
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -355,6 +356,55 @@ def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp
                                    load_model(str(out2))(tokens)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_init_from_a_hub_id_is_downloaded_by_each_nodes_first_rank_into_its_own_cache(data, hf_tiny, tmp_path):
+    launcher = tmp_path / "launch_with_fault.py"
+    launcher.write_text(LAUNCHER)
+    args = tiny(data, tmp_path / "out", init_from="someone/tiny-gpt2", max_steps=2)
+
+    def env(home):
+        os.makedirs(home, exist_ok=True)
+        return dict(os.environ, FAULT="fake_hub", FAKE_HUB_MODEL=hf_tiny, HF_HOME=str(home), PYTHONPATH=ROOT)
+
+    def downloaded_by(home):
+        return (home / "downloaded_by_ranks").read_text().split()
+
+    # one node, two ranks: local rank 0 downloads, rank 1 waits and reads the node's cache
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(launcher), *args], cwd=ROOT, env=env(tmp_path / "home"), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert downloaded_by(tmp_path / "home") == ["0"]
+
+    # two nodes without a shared home: each node's first rank downloads into its own cache
+    def two_nodes(out, offline_node=None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                                   "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                   str(launcher), *args, f"--out_dir={out}"], cwd=ROOT,
+                                  env=dict(env(tmp_path / f"{out.name}_home{node}"), **({"FAKE_HUB_OFFLINE": "1"}
+                                                                         if node == offline_node else {})),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        try:
+            return [node.communicate(timeout=300)[0] for node in nodes], [node.returncode for node in nodes]
+        finally:
+            for node in nodes:
+                node.kill()
+
+    outputs, status = two_nodes(tmp_path / "two_nodes")
+    assert status == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert downloaded_by(tmp_path / "two_nodes_home0") == ["0"]
+    assert downloaded_by(tmp_path / "two_nodes_home1") == ["1"]
+    # a node that cannot download: every rank says so at once, none waits in a collective until the timeout
+    outputs, status = two_nodes(tmp_path / "offline", offline_node=1)
+    assert status == [1, 1], outputs[0][-2000:] + outputs[1][-2000:]
+    for node, output in enumerate(outputs):
+        assert re.search(rf"\[rank {node}\] train_gpt2.py: error: someone/tiny-gpt2: no such local directory, and "
+                         r"not available online", output), output[-2000:]
+        assert output.count("Traceback") == 1 and "raise ChildFailedError" in output  # torchrun's report only
+
+
 def test_config_errors_name_the_key(tmp_path, data):
     config = tmp_path / "config.py"
     config.write_text("import math\nmax_steps = 5\nlr = 3e-4 * math.sqrt(4)\nsplit = '90,10,0'\n")
@@ -511,6 +561,19 @@ if kind == "live_init_from" and rank == 0:  # init_from's first checkpoint delet
             os.rename(path, os.path.join(os.path.dirname(path), "step_00000099"))
         return real_load_weights(path, model)
     train_gpt2.load_weights = load_weights
+if kind == "fake_hub":  # no network: a hub id is found in this node's own cache ($HF_HOME) once it is downloaded
+    import shutil
+    import model
+    def snapshot_download(repo_id, **kwargs):  # a download: local rank 0 of the node copies $FAKE_HUB_MODEL
+        cache = os.path.join(os.environ["HF_HOME"], "hub", repo_id)
+        if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(cache) and not os.environ.get("FAKE_HUB_OFFLINE"):
+            with open(os.path.join(os.environ["HF_HOME"], "downloaded_by_ranks"), "a") as f:
+                f.write(f"{rank}\\n")
+            shutil.copytree(os.environ["FAKE_HUB_MODEL"], cache)
+        if not os.path.isdir(cache) or os.environ.get("FAKE_HUB_OFFLINE"):
+            raise OSError(f"{repo_id}: not in this node's cache {cache}, and no network")
+        return cache
+    model.huggingface_hub.snapshot_download = snapshot_download
 if kind == "marker" and rank == 0:  # every file of checkpoint step args[0] written and synced, the marker not yet
     real_fsync_tree = train_gpt2.fsync_tree
     def fsync_tree(path):
