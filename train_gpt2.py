@@ -846,6 +846,10 @@ def build_data(cfg, log):
                                       max_samples=cfg.val_tokens // cfg.seq_length)
         if val_data is None:
             log(f"no validation: split {cfg.split!r} gives the validation split no share")
+        elif len(val_data) < cfg.val_tokens // cfg.seq_length:  # refused, as LLMCValWindows refuses it
+            raise ValueError(f"{cfg.data_paths}: the validation split ({cfg.split!r}) holds {val_data.num_tokens:,} "
+                             f"tokens, fewer than the {cfg.val_tokens // cfg.seq_length * cfg.seq_length + 1:,} that "
+                             f"val_tokens {cfg.val_tokens:,} needs; lower val_tokens or give validation a larger share")
     if val_data is not None:
         log(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
             f"{cfg.val_data_paths or cfg.data_paths}")

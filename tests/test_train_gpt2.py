@@ -279,6 +279,16 @@ def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_pa
                              index_mapping_dir=str(tmp_path / "cache")))
 
 
+def test_blend_weights_that_overflow_and_val_tokens_beyond_the_validation_split_are_one_line(data, tmp_path):
+    with pytest.raises(ValueError, match=r"blend list .*: the weights \['1e308', '1e308'\] add up to more than a "
+                                         r"float holds; scale them down"):
+        train_gpt2.main(tiny(data, tmp_path / "a", data_paths=["1e308", data, "1e308", data]))
+    # the byte dataset's validation split (90,10,0) holds 81,657 tokens: 2,551 windows of 32
+    with pytest.raises(ValueError, match=r"the validation split \('90,10,0'\) holds 81,657 tokens, fewer than the "
+                                         r"96,001 that val_tokens 96,000 needs; lower val_tokens"):
+        train_gpt2.main(tiny(data, tmp_path / "b", val_tokens=96_000))
+
+
 def test_a_nonfinite_checkpoint_is_set_aside_and_the_older_one_resumed(finished, tmp_path, capsys):
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
