@@ -1279,8 +1279,9 @@ def run(cfg, restore_signals=True):
         cause = lost_peer(e) if world_size > 1 else None
         if cause is None:
             raise
-        raise PeerLost(f"lost another rank of the run (killed, or its node failed or stopped answering: {cause}); "
-                       f"rerun the same command to resume from the last checkpoint") from None
+        raise PeerLost(f"lost another rank of the run (it was killed, ended with an error of its own, or its node "
+                       f"failed or stopped answering: {cause}); rerun the same command to resume from the last "
+                       f"checkpoint") from None
     finally:
         if restore_signals:
             stop.restore()

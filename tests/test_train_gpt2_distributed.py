@@ -209,8 +209,8 @@ def test_a_lost_peer_ends_each_survivor_with_one_line_saying_a_rerun_resumes(dat
     [stderr_path] = logs.glob("*/attempt_0/0/stderr.log")
     lines = [line for line in stderr_path.read_text().splitlines() if not line.startswith("indexed_dataset:")]
     assert len(lines) == 1, "\n".join(lines[-50:])
-    assert re.fullmatch(r"\[rank 0\] train_gpt2.py: error: lost another rank of the run \(killed, .*\); rerun the "
-                        r"same command to resume from the last checkpoint", lines[0]), lines[0]
+    assert re.fullmatch(r"\[rank 0\] train_gpt2.py: error: lost another rank of the run \(it was killed, .*\); "
+                        r"rerun the same command to resume from the last checkpoint", lines[0]), lines[0]
 
 
 def sigterm_one_process(args, out, pattern):
