@@ -15,7 +15,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from model import complete_checkpoints  # noqa: E402
-from conftest import metrics, process_tree, tiny, vislog, write_byte_dataset  # noqa: E402
+from conftest import hf_difference, kill_tree, metrics, tiny, vislog, write_byte_dataset  # noqa: E402
 
 PHASES = ("setup", "evaluation", "checkpoint", "export", "step")
 
@@ -96,12 +95,7 @@ def launch(work, args, spec=None, timeout=300):
         except subprocess.TimeoutExpired:
             status = "hung"
         finally:
-            for pid in reversed(process_tree(proc.pid)):  # torchrun starts its workers in their own sessions
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+            kill_tree(proc)
     time.sleep(0.3)  # a signal shell still sleeping records itself before it is read (its delay is at most 0.25 s)
     with open(log_path) as f:
         output = f.read()
@@ -138,14 +132,7 @@ def same_run(out, reference):
                 return f"metrics.jsonl {key} differs"
         except json.JSONDecodeError as e:
             return f"metrics.jsonl is not JSON lines: {e}"
-    names = sorted(os.listdir(os.path.join(reference, "hf")))
-    if not os.path.isdir(os.path.join(out, "hf")) or sorted(os.listdir(os.path.join(out, "hf"))) != names:
-        return "hf/ holds other files"
-    for name in names:
-        with open(os.path.join(out, "hf", name), "rb") as a, open(os.path.join(reference, "hf", name), "rb") as b:
-            if a.read() != b.read():
-                return f"hf/{name} differs"
-    return ""
+    return hf_difference(out, reference)
 
 
 def newest_step(out):

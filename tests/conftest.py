@@ -160,6 +160,28 @@ def wait_for_line(path, pattern, proc, timeout=300):
     raise TimeoutError(f"{pattern} never appeared in {path}")
 
 
+def kill_tree(proc):
+    """SIGKILL a process and all its descendants (torchrun starts its workers in their own sessions); reap it."""
+    for pid in reversed(process_tree(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def hf_difference(out, reference):
+    """'' when out/hf holds the same files as reference/hf, byte for byte (the weights bit for bit), else which not."""
+    names = sorted(os.listdir(os.path.join(reference, "hf")))
+    if not os.path.isdir(os.path.join(out, "hf")) or sorted(os.listdir(os.path.join(out, "hf"))) != names:
+        return "hf/ holds other files"
+    for name in names:
+        with open(os.path.join(out, "hf", name), "rb") as a, open(os.path.join(reference, "hf", name), "rb") as b:
+            if a.read() != b.read():
+                return f"hf/{name} differs"
+    return ""
+
+
 def process_tree(pid):
     """pid and all its descendants (torchrun starts its workers in their own sessions)."""
     children = {}
@@ -291,12 +313,7 @@ def wait_nodes(procs, log_dir, timeout=240):
             proc.wait(timeout=max(1, deadline - time.time()))
     finally:
         for proc in procs:
-            for pid in reversed(process_tree(proc.pid)):  # torchrun starts its workers in their own sessions
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+            kill_tree(proc)
     outputs = []
     for index in range(2):
         with open(os.path.join(log_dir, f"node{index}.out")) as f:
