@@ -218,6 +218,9 @@ def resolve_blend(paths):
         raise ValueError(f"blend list {entries}: {why}; it must alternate weight, prefix (or list only prefixes)")
     if not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"blend list {entries}: weights must be positive finite numbers, got {entries[0::2]}")
+    if not math.isfinite(sum(weights)):  # normalizing would divide by inf: every share 0
+        raise ValueError(f"blend list {entries}: the weights {entries[0::2]} add up to more than a float holds; "
+                         f"scale them down (only their ratios count)")
     return entries[1::2], weights
 
 

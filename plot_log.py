@@ -21,7 +21,9 @@ STREAMS = [("trl", "train loss", min), ("tel", "val loss", min), ("eval", "Hella
 
 def parse_log(path):
     """{key: [(step, value), ...] sorted by step} for every key in the log (trl, tel, eval, ...); later lines win."""
-    path = os.path.join(path, "main.log") if os.path.isdir(path) else path
+    if os.path.isdir(path):  # an out_dir: its main.log, or an --eval_only run's eval/main.log
+        path = next((p for p in (os.path.join(path, "main.log"), os.path.join(path, "eval", "main.log"))
+                     if os.path.isfile(p)), os.path.join(path, "main.log"))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: log file not found")
     streams, bad_lines = {}, []

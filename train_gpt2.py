@@ -21,6 +21,7 @@ import math
 import os
 import queue
 import random
+import re
 import resource
 import shutil
 import signal
@@ -35,7 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 import hellaswag
 from atomic_io import atomic_save, atomic_write, fsync_dir
@@ -336,6 +338,27 @@ def on_rank0(work):
     return result
 
 
+def on_each_node(work):
+    """work() done first by each node's local rank 0 (a hub download into that node's own cache: nodes need not share
+    a home directory), then by the node's other ranks, which find it there; the first error raised on every rank."""
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    result = None
+    for my_turn in (first, not first):
+        error = None
+        if my_turn:
+            try:
+                result = work()
+            except (ValueError, OSError) as e:
+                error = e
+        errors = [error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        if any(e is not None for e in errors):
+            raise next(e for e in errors if e is not None)
+    return result
+
+
 def any_rank(flag):
     """Whether `flag` is true on any rank (a collective: every rank calls it)."""
     if not dist.is_initialized():
@@ -371,8 +394,23 @@ def lock_out_dir(out_dir):
     LOCKS.append(fd)
 
 
-def prepare_out_dir(out_dir):
-    """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or None."""
+def cut_torn_line(path):
+    """Cut a last line that has no newline (the run was killed inside its write), so that the next record does not
+    run into it; a message saying so, or None."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb+") as f:
+        text = f.read()
+        if not text or text.endswith(b"\n"):
+            return None
+        keep = text.rfind(b"\n") + 1
+        f.truncate(keep)
+    return f"{path}: cut its partial last line (the run was killed while writing it): {text[keep:][:60]!r}"
+
+
+def prepare_out_dir(out_dir, eval_only=False):
+    """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or None. Under
+    eval_only the run's own logs are left alone: an evaluation appends to out_dir/eval/main.log and metrics.jsonl."""
     if not out_dir.strip():
         raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
     path = os.path.realpath(out_dir)
@@ -394,7 +432,12 @@ def prepare_out_dir(out_dir):
             print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
             shutil.rmtree(os.path.join(ckpt_root, name))
     resume_path, messages = newest_usable_checkpoint(ckpt_root)
-    for name in () if resume_path else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
+    log_dir = os.path.join(out_dir, "eval") if eval_only else out_dir
+    os.makedirs(log_dir, exist_ok=True)
+    for name in ("main.log", "metrics.jsonl") if resume_path or eval_only else ():  # appended to from here on
+        if message := cut_torn_line(os.path.join(log_dir, name)):
+            messages.append(message)
+    for name in () if resume_path or eval_only else ("main.log", "metrics.jsonl"):  # a fresh run never mixes curves
         log_path, k = os.path.join(out_dir, name), 1
         while os.path.exists(f"{log_path}.{k}"):
             k += 1
@@ -445,6 +488,15 @@ def fsync_tree(path):
     return sizes
 
 
+def training_state(model, optimizer, step):
+    """The state dict a checkpoint at `step` holds. Before the first update AdamW has no state, and get_state_dict
+    would make one up (step 1, zero moments) that changes every later update: a step-0 checkpoint holds the model."""
+    if step == 0:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
 def save_checkpoint(cfg, model, optimizer, step, data):
     """step_N.tmp (DCP shards, rng.pt, train_state.json) fsynced, its marker, renamed to step_N. Collective."""
     assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
@@ -460,8 +512,7 @@ def save_checkpoint(cfg, model, optimizer, step, data):
         os.makedirs(tmp)
     barrier()
     try:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        dcp.save(training_state(model, optimizer, step), checkpoint_id=tmp)
         if master:  # dcp.save returns on rank 0 after every rank's files are written
             rng = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
                        cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
@@ -501,9 +552,14 @@ def load_checkpoint(ckpt_path, model, optimizer):
     for path in [ckpt_path] + broadcast_object(older):
         error = None
         try:
-            model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)  # in place
-            set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+            train_state = read_train_state(path)
+            state = training_state(model, optimizer, train_state["step"])
+            dcp.load(state, checkpoint_id=path)  # in place
+            if "optim" in state:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            else:  # no update yet: AdamW starts without state, as in the uninterrupted run
+                set_model_state_dict(model, state["model"])
+                optimizer.state.clear()
             if nonfinite(model, optimizer):
                 raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite Adam moment")
             # every rank was seeded alike and nothing draws per-rank randomness, so rank 0's states serve all
@@ -513,7 +569,6 @@ def load_checkpoint(ckpt_path, model, optimizer):
             random.setstate(rng["python"])
             if rng["cuda"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng["cuda"])
-            train_state = read_train_state(path)
         except (Exception, dcp.CheckpointException) as e:
             error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if not any_rank(error is not None):
@@ -621,13 +676,17 @@ def starting_point(cfg, resume_path):
                              f"checkpoint's architecture or another out_dir")
         return model_config, ("resume", resume_path)
     if cfg.init_from is not None and is_run_or_checkpoint(cfg.init_from):
-        ckpt_path = resolve_checkpoint(cfg.init_from)
-        return GPTConfig(**read_train_state(ckpt_path)["model_config"]), ("checkpoint", ckpt_path)
+        configs = {}  # a live run may delete its newest checkpoint meanwhile: then the next newest is read
+
+        def read(path):
+            configs[path] = read_train_state(path)["model_config"]
+
+        model_config = on_rank0(lambda: configs[resolve_checkpoint(cfg.init_from, load=read)])
+        return GPTConfig(**model_config), ("checkpoint", cfg.init_from)
     if cfg.init_from is None:
         return GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size, padded_vocab_size=cfg.padded_vocab_size,
                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd), ("seed", cfg.seed)
-    on_rank0(lambda: resolve_pretrained(cfg.init_from))  # a hub id is downloaded once; the others find it cached
-    directory, hf_config = resolve_pretrained(cfg.init_from)
+    directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))  # a hub id: downloaded per node
     return dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size), ("hf", directory)
 
 
@@ -658,12 +717,46 @@ def build_model(model_config, init, cfg, device):
     elif kind == "hf":
         load_hf_sharded(model, source)
     elif kind == "checkpoint":  # init_from another run: its weights, a fresh optimizer
-        try:
-            load_weights(source, model)
-        except (ValueError, dcp.CheckpointException, RuntimeError) as e:  # damaged although its files look complete
-            raise ValueError(f"init_from {source}: the checkpoint does not load: {str(e).strip().splitlines()[0]}") \
-                from None
+        path = load_init_checkpoint(source, model)
+        if is_master():
+            print(f"init_from: loaded the weights of {path}")
     return model
+
+
+def load_init_checkpoint(source, model):
+    """Load the weights of `source` (a checkpoint, or a run's newest usable one) into `model` on every rank; the path.
+    Rank 0 chooses with model.resolve_checkpoint, which retries as sample.py does when a live run deletes the chosen
+    checkpoint (ckpt_keep) before it is read; every rank loads each path it tries, as a load is collective."""
+    def load(path):  # on every rank, the same path
+        error = None
+        try:
+            load_weights(path, model)
+        except (ValueError, RuntimeError, OSError, dcp.CheckpointException) as e:
+            error = e  # damaged although its files look complete, or deleted meanwhile
+        if any_rank(error is not None):  # a RuntimeError, which resolve_checkpoint catches (DCP's is no Exception)
+            raise RuntimeError(str(error).strip() if error is not None else "it failed to load on another rank")
+
+    def lead(path):  # rank 0's tries, which the other ranks follow
+        broadcast_object(path)
+        load(path)
+
+    outcome = None
+    if is_master():
+        try:
+            outcome = resolve_checkpoint(source, load=lead), None
+        except (Exception, dcp.CheckpointException) as e:
+            outcome = None, f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        broadcast_object(None)  # no more tries
+    else:
+        while (path := broadcast_object(None)) is not None:
+            try:
+                load(path)
+            except (Exception, dcp.CheckpointException):
+                pass  # rank 0 says what failed
+    path, error = broadcast_object(outcome)
+    if error is not None:
+        raise ValueError(f"init_from {source}: the checkpoint does not load: {error}")
+    return path
 
 
 def memory_plan(model_config, cfg, world_size, device):
@@ -753,6 +846,10 @@ def build_data(cfg, log):
                                       max_samples=cfg.val_tokens // cfg.seq_length)
         if val_data is None:
             log(f"no validation: split {cfg.split!r} gives the validation split no share")
+        elif len(val_data) < cfg.val_tokens // cfg.seq_length:  # refused, as LLMCValWindows refuses it
+            raise ValueError(f"{cfg.data_paths}: the validation split ({cfg.split!r}) holds {val_data.num_tokens:,} "
+                             f"tokens, fewer than the {cfg.val_tokens // cfg.seq_length * cfg.seq_length + 1:,} that "
+                             f"val_tokens {cfg.val_tokens:,} needs; lower val_tokens or give validation a larger share")
     if val_data is not None:
         log(f"validation: {len(val_data)} windows of {cfg.seq_length} tokens from "
             f"{cfg.val_data_paths or cfg.data_paths}")
@@ -763,11 +860,13 @@ def host_batch(dataset, indices, vocab_size, pin):
     """Samples `indices` as (tokens, labels) on the host; an id outside the vocabulary named here, not a GPU assert."""
     samples = [dataset[i] for i in indices]
     tokens, labels = np.stack([s["tokens"] for s in samples]), np.stack([s["labels"] for s in samples])
-    top = np.maximum(tokens.max(axis=1), labels.max(axis=1))  # on the host: no device sync
-    if top.max() >= vocab_size:
-        row = int(top.argmax())
-        raise ValueError(f"token id {top[row]} in {dataset.describe(indices[row])} is outside the model's vocabulary "
-                         f"(vocab_size {vocab_size})")
+    # on the host, no device sync; ids below 0 come from signed (int32) datasets and index the embedding from its end
+    top = np.maximum(tokens.max(axis=1), labels.max(axis=1))
+    bottom = np.minimum(tokens.min(axis=1), labels.min(axis=1))
+    for ids, row in ((top, int(top.argmax())), (bottom, int(bottom.argmin()))):
+        if not 0 <= ids[row] < vocab_size:
+            raise ValueError(f"token id {ids[row]} in {dataset.describe(indices[row])} is outside the model's "
+                             f"vocabulary (vocab_size {vocab_size})")
     tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
     return (tokens.pin_memory(), labels.pin_memory()) if pin else (tokens, labels)
 
@@ -853,40 +952,67 @@ class Evaluator:
 # the training loop
 
 class StopRequest:
-    """SIGTERM/SIGINT remembered to checkpoint and exit 128 + signum; a second one interrupts at once."""
+    """SIGTERM/SIGINT remembered: the run checkpoints at the next step (or between evaluation batches) and exits
+    128 + signum. While it stops, more SIGTERMs are absorbed (a scheduler signals every process, then torchrun
+    forwards its own): none may kill the worker before its checkpoint. A person's second Ctrl-C is told that the
+    checkpoint is being written; a third one aborts at once without it, as kill -9 does."""
 
     def __init__(self):
         self.signal = self.time = None
+        self.interrupts, self.told = 0, False  # SIGINTs after the first signal; the repeated SIGTERM said
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handle(self, signum, frame):
-        self.signal, self.time = signum, time.perf_counter()
-        self.restore()
+        if self.signal is None:
+            self.signal, self.time = signum, time.perf_counter()
+            return
+        if signum == signal.SIGTERM:
+            if not self.told and is_master():
+                print("SIGTERM again while stopping: ignored, the checkpoint is being written", file=sys.stderr,
+                      flush=True)
+            self.told = True
+            return
+        self.interrupts += 1
+        if self.interrupts == 1 and is_master():
+            print("stopping: the checkpoint is being written; Ctrl-C again (or kill -9) aborts without it, and a rerun "
+                  "then resumes from the checkpoint before", file=sys.stderr, flush=True)
+        elif self.interrupts > 1:  # the person insists: die by SIGINT now, with no traceback and no checkpoint
+            print("aborted without a checkpoint; rerun the same command to resume from the last one", file=sys.stderr,
+                  flush=True)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
 
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 
+class PeerLost(Exception):
+    """Another rank died or stopped answering: this rank ends with one line, and rerunning resumes."""
+
+
 class RunLog:
-    """On rank 0: a console line, a main.log line (llm.c's format), a metrics.jsonl record (and wandb's)."""
+    """On rank 0: a console line, a main.log line (llm.c's format), a metrics.jsonl record (and wandb's), in out_dir
+    (a run's, or its eval/ subdirectory under eval_only)."""
 
     def __init__(self, out_dir):
         self.out_dir, self.master, self.wandb = out_dir, is_master(), None
 
     def start(self, cfg, resumed):
-        """On rank 0, once the config is accepted: train_config.json and, with wandb_log, the out_dir's wandb run."""
-        with atomic_write(os.path.join(cfg.out_dir, "train_config.json"), "w", encoding="utf-8") as f:
+        """On rank 0, once the config is accepted: train_config.json (eval_config.json under eval_only) and, with
+        wandb_log, the wandb run of this directory."""
+        name = "eval_config.json" if cfg.eval_only else "train_config.json"
+        with atomic_write(os.path.join(self.out_dir, name), "w", encoding="utf-8") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         if not cfg.wandb_log:
             return
         import wandb
-        id_path = os.path.join(cfg.out_dir, "wandb_run_id")
+        id_path = os.path.join(self.out_dir, "wandb_run_id")
         run_id = open(id_path).read().strip() if resumed and os.path.exists(id_path) else os.urandom(4).hex()
         with atomic_write(id_path, "w") as f:
             f.write(run_id)
-        self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=cfg.out_dir,
+        self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow", dir=self.out_dir,
                                 name=cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir)),
                                 config=dataclasses.asdict(cfg))
         self.wandb.define_metric("*", step_metric="step")  # plotted against the training step, not wandb's counter
@@ -995,17 +1121,23 @@ class StepLog:
 
 
 def setup(cfg, world_size, device, log, stop):
-    """out_dir, data, model, optimizer, resume, evaluation, in that order; None when nothing is left to train."""
-    resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir))
+    """out_dir, data, model, optimizer, resume, evaluation, in that order; an exit status when nothing is left to
+    train (eval_only, or a run already complete)."""
+    resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir, cfg.eval_only))
     if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
         log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
-        return None
+        return 0
     train_data, val_data = build_data(cfg, log)
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
         f"{max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))}; "
         + (f"FSDP2 over a {device.type} mesh of {world_size} ranks; " if dist.is_initialized() else "")
         + (f"resuming from {resume_path}" if resume_path else f"init from {cfg.init_from or 'GPT-2 init'}"))
     model_config, init = starting_point(cfg, resume_path)
+    # the weights' architecture wins (init_from or a checkpoint): train_config.json records the model trained
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size"):
+        if getattr(cfg, key) != getattr(model_config, key):
+            log(f"{key} {getattr(model_config, key)} from {init[1]} (the config's {getattr(cfg, key)} does not apply)")
+            setattr(cfg, key, getattr(model_config, key))
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's context "
                          f"({model_config.block_size} positions)")
@@ -1019,15 +1151,16 @@ def setup(cfg, world_size, device, log, stop):
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)
     if cfg.eval_only:
-        evaluate(model, step, stop)
-        return None
+        log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the config to "
+            f"eval_config.json); the run's own logs are left as they are")
+        return 0 if evaluate(model, step, stop) else 128 + (stop.signal or signal.SIGTERM)
     return model, optimizer, step, train_data, evaluate, step_log, data
 
 
 def train(cfg, rank, world_size, device, log, stop):
     state = setup(cfg, world_size, device, log, stop)
-    if state is None:
-        return 0
+    if isinstance(state, int):
+        return state
     model, optimizer, step, train_data, evaluate, step_log, data = state
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
@@ -1092,13 +1225,42 @@ def main(argv=None):
     return run(load_config(sys.argv[1:] if argv is None else argv))
 
 
-def run(cfg):
+def lost_peer(error):
+    """The first line of what says that another rank died or stopped answering (a gloo/NCCL error in a
+    collective, also one DCP wraps), or None."""
+    causes, seen = [error], set()
+    while causes:
+        e = causes.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, dist.DistError) or isinstance(e, RuntimeError) and any(
+                words in str(e) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                              "Timed out waiting", "NCCL communicator was aborted")):
+            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0]  # gloo's source location and advice off
+        causes += [e.__cause__, e.__context__]
+        causes += [f[0] if isinstance(f, tuple) else f for f in (getattr(e, "failures", None) or {}).values()]
+    return None
+
+
+def run(cfg, restore_signals=True):
+    """Train; `restore_signals` False (the command line): SIGTERM/SIGINT stay absorbed until the process exits,
+    so a signal that arrives while an error is reported (torchrun's, after a peer died) cannot cut it short."""
     rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
-    log, stop = RunLog(cfg.out_dir), StopRequest()
+    log = RunLog(os.path.join(cfg.out_dir, "eval") if cfg.eval_only else cfg.out_dir)
+    stop = StopRequest()
     try:
         return train(cfg, rank, world_size, device, log, stop)
+    except Exception as e:
+        cause = lost_peer(e) if world_size > 1 else None
+        if cause is None:
+            raise
+        raise PeerLost(f"lost another rank of the run (killed, or its node failed or stopped answering: {cause}); "
+                       f"rerun the same command to resume from the last checkpoint") from None
     finally:
-        stop.restore()
+        if restore_signals:
+            stop.restore()
         if log.wandb is not None:
             log.wandb.finish()
         while LOCKS:
@@ -1122,8 +1284,8 @@ def cli(argv=None):
         sys.exit(f"train_gpt2.py: error: {e}" if int(os.environ.get("RANK", 0)) == 0 else 1)
     prefix = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
-        sys.exit(run(cfg))
-    except (ValueError, FloatingPointError) as e:
+        sys.exit(run(cfg, restore_signals=False))
+    except (ValueError, FloatingPointError, PeerLost) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
     except OSError as e:  # a file or directory the run cannot use: full disk, read-only, a file in the path
         space, write = "free some space or choose another out_dir", "choose a directory you can write to"

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 import hellaswag
+import plot_log
 import train_gpt2
 from conftest import (BYTE_EOT, ROOT, checkpoints, metrics, save_tiny_hf_gpt2, tiny, torchrun, vislog,
-                      write_byte_dataset)
-from indexed_dataset import IndexedDatasetBuilder
+                      write_byte_dataset, write_ours)
+from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from model import MARKER, check_checkpoint, complete_checkpoints
 from tokenizer import EOT_ID, gpt2_encoding
 from train_gpt2 import parse_config
@@ -244,16 +245,48 @@ def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tm
     assert train_gpt2.main(args + ["--eval_only=True", "--max_steps=5"]) == 0  # evaluation needs no step budget
 
 
-def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path):
+def test_eval_only_on_a_finished_run_leaves_its_records_and_writes_its_own(finished, tmp_path, capsys):
+    prefix, out = finished
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    before = {name: (copy / name).read_bytes() for name in ("metrics.jsonl", "main.log", "train_config.json")}
+    args = tiny(prefix, copy, max_steps=20, index_mapping_dir=os.path.join(os.path.dirname(prefix), "..", "cache"))
+    for val_tokens in (256, 512):
+        assert train_gpt2.main(args + ["--eval_only=True", f"--val_tokens={val_tokens}"]) == 0
+    assert {name: (copy / name).read_bytes() for name in before} == before
+    assert f"eval_only: the results are appended to {copy / 'eval'}/main.log" in capsys.readouterr().out
+    records = [json.loads(line) for line in (copy / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [20, 20]
+    assert [r["val_loss"] for r in records if "val_loss" in r][1] == metrics(copy, "val_loss")[20]  # as trained
+    assert json.loads((copy / "eval" / "eval_config.json").read_text())["val_tokens"] == 512
+    assert plot_log.parse_log(str(copy))["tel"][-1] == (20, round(metrics(copy, "val_loss")[20], 4))
+
+
+@pytest.mark.parametrize("dtype, bad", [(np.uint16, 600), (np.int32, -3)])
+def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path, dtype, bad):
     prefix = str(tmp_path / "bad")
     write_byte_dataset(prefix)
-    tokens = np.memmap(prefix + ".bin", np.uint16, "r+")
-    tokens[::5000] = 600  # bit rot: beyond the 512-token vocabulary
+    if dtype is np.int32:  # the same documents in a signed int32 dataset, as Megatron writes for large vocabularies
+        dataset = IndexedDataset(prefix)
+        write_ours(prefix + "32", [(dataset[i], [len(dataset[i])]) for i in range(len(dataset))], np.int32)
+        prefix += "32"
+    tokens = np.memmap(prefix + ".bin", dtype, "r+")
+    tokens[::5000] = bad  # bit rot: beyond the 512-token vocabulary, or below 0
     tokens.flush()
-    with pytest.raises(ValueError, match=r"token id 600 in .*bad: documents? \d+.* \(sample \d+\) is outside the "
-                                         r"model's vocabulary \(vocab_size 512\)"):
+    with pytest.raises(ValueError, match=rf"token id {bad} in .*bad(32)?: documents? \d+.* \(sample \d+\) is outside "
+                                         r"the model's vocabulary \(vocab_size 512\)"):
         train_gpt2.main(tiny(prefix, tmp_path / "out", max_steps=400, val_tokens=0, val_every_steps=1000,
                              index_mapping_dir=str(tmp_path / "cache")))
+
+
+def test_blend_weights_that_overflow_and_val_tokens_beyond_the_validation_split_are_one_line(data, tmp_path):
+    with pytest.raises(ValueError, match=r"blend list .*: the weights \['1e308', '1e308'\] add up to more than a "
+                                         r"float holds; scale them down"):
+        train_gpt2.main(tiny(data, tmp_path / "a", data_paths=["1e308", data, "1e308", data]))
+    # the byte dataset's validation split (90,10,0) holds 81,657 tokens: 2,551 windows of 32
+    with pytest.raises(ValueError, match=r"the validation split \('90,10,0'\) holds 81,657 tokens, fewer than the "
+                                         r"96,001 that val_tokens 96,000 needs; lower val_tokens"):
+        train_gpt2.main(tiny(data, tmp_path / "b", val_tokens=96_000))
 
 
 def test_a_nonfinite_checkpoint_is_set_aside_and_the_older_one_resumed(finished, tmp_path, capsys):
@@ -466,6 +499,25 @@ def test_fresh_run_moves_old_logs_aside_and_a_resumed_run_appends(data, tmp_path
     assert sorted(vislog(out / "main.log")["trl"]) == [0, 1]
     train_gpt2.main(tiny(data, out, max_steps=4))  # resumes from step 2: the same log goes on
     assert sorted(vislog(out / "main.log")["trl"]) == [0, 1, 2, 3] and not os.path.exists(out / "main.log.3")
+
+
+def test_a_torn_last_line_of_the_logs_is_cut_on_resume_and_said(data, tmp_path, capsys):
+    out = tmp_path / "torn"
+    train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=3))
+    with open(out / "main.log", "a") as f:  # killed inside the writes of step 6's records
+        f.write("s:6 trl:5.12")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "train_lo')
+    capsys.readouterr()
+    train_gpt2.main(tiny(data, out, max_steps=9, ckpt_every_steps=3))
+    said = capsys.readouterr().out
+    assert f"{out / 'main.log'}: cut its partial last line (the run was killed while writing it): b's:6 trl:5.12'" \
+        in said and f"{out / 'metrics.jsonl'}: cut its partial last line" in said
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 6, 9]
+    streams = plot_log.parse_log(str(out / "main.log"))
+    assert [step for step, _ in streams["tel"]] == [0, 6, 9] and [s for s, _ in streams["trl"]] == list(range(9))
+    assert "skipped" not in capsys.readouterr().err
 
 
 def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp_path):
@@ -682,7 +734,7 @@ def eval_only_args(hf_dir, prefix, out, **overrides):
 
 
 def val_loss_logged(out):
-    return metrics(out, "val_loss")[0]
+    return metrics(out / "eval", "val_loss")[0]
 
 
 def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf_dir, val_prefix, tmp_path):
@@ -702,11 +754,11 @@ def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf
 def test_eval_only_writes_the_reference_line_and_hellaswag_of_the_standalone_script(hf_dir, val_prefix, tmp_path):
     out = tmp_path / "gpt2_reference"
     train_gpt2.main(eval_only_args(hf_dir, val_prefix, out, hellaswag=HELLASWAG_FIXTURE))
-    streams = vislog(out / "main.log")
+    streams = vislog(out / "eval" / "main.log")
     assert set(streams) == {"tel", "eval"} and set(streams["tel"]) == {0} and set(streams["eval"]) == {0}
     standalone = hellaswag.main(["--model", hf_dir, "--data", HELLASWAG_FIXTURE])
     assert streams["eval"][0] == pytest.approx(round(standalone["acc_norm"], 4))
-    assert metrics(out, "hellaswag_acc_norm")[0] == standalone["acc_norm"]
+    assert metrics(out / "eval", "hellaswag_acc_norm")[0] == standalone["acc_norm"]
     assert not os.path.exists(out / "hf")  # nothing trained, nothing written
     assert not os.path.isdir(out / "ckpt") or not os.listdir(out / "ckpt")
 
@@ -822,13 +874,40 @@ def test_a_blends_weights_are_said_at_every_start(data, tmp_path, capsys):
         assert f"train blend: {data} 0.2500, {other} 0.7500" in capsys.readouterr().out
 
 
-def test_init_from_a_run_whose_newest_checkpoint_does_not_load_is_one_line(finished, tmp_path):
+def test_init_from_a_run_whose_newest_checkpoint_does_not_load_takes_the_one_before(finished, tmp_path, capsys):
     prefix, out = finished
     source = tmp_path / "source"
     shutil.copytree(out, source)
     metadata = source / "ckpt" / "step_00000020" / ".metadata"
     metadata.write_bytes(bytes(len(metadata.read_bytes())))  # the same size, so only loading finds it out
+    args = tiny(prefix, tmp_path / "out", max_steps=2, index_mapping_dir=str(tmp_path / "cache"))
+    assert train_gpt2.main(args + [f"--init_from={source}", "--n_layer=3", "--n_embd=64"]) == 0
+    said = capsys.readouterr()
+    assert re.search(r"skipping damaged checkpoint .*step_00000020: .*; left in place", said.err)
+    assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000010'}" in said.out
+    assert f"n_layer 2 from {source} (the config's 3 does not apply)" in said.out
+    trained = json.loads((tmp_path / "out" / "train_config.json").read_text())
+    assert (trained["n_layer"], trained["n_embd"]) == (2, 32)  # the model's sizes, not the config's
     with pytest.raises(ValueError, match=r"init_from .*step_00000020: the checkpoint does not load") as error:
-        train_gpt2.main(tiny(prefix, tmp_path / "out", init_from=str(source), max_steps=2,
-                             index_mapping_dir=str(tmp_path / "cache")))
+        train_gpt2.main(args + [f"--init_from={source / 'ckpt' / 'step_00000020'}", f"--out_dir={tmp_path / 'b'}"])
     assert "\n" not in str(error.value)
+
+
+def test_init_from_and_eval_only_of_a_live_run_that_deletes_the_chosen_checkpoint_take_its_newer_one(
+        finished, tmp_path, monkeypatch, capsys):
+    prefix, out = finished
+    source = tmp_path / "live"
+    shutil.copytree(out, source)
+    real_load_weights = train_gpt2.load_weights
+
+    def load_while_the_run_moves_on(path, model):  # the live run (ckpt_keep=1) writes step 30, deletes step 20
+        if path.endswith("step_00000020"):
+            os.rename(path, source / "ckpt" / "step_00000030")
+        return real_load_weights(path, model)
+
+    monkeypatch.setattr(train_gpt2, "load_weights", load_while_the_run_moves_on)
+    args = tiny(prefix, tmp_path / "out", max_steps=2, init_from=str(source), index_mapping_dir=str(tmp_path / "c"))
+    for extra in ([], ["--eval_only=True", f"--out_dir={tmp_path / 'eval'}"]):
+        assert train_gpt2.main(args + extra) == 0
+        assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000030'}" in capsys.readouterr().out
+        os.rename(source / "ckpt" / "step_00000030", source / "ckpt" / "step_00000020")

@@ -14,6 +14,7 @@ import re
 import runpy
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,7 +70,7 @@ def test_sigterm_under_torchrun_is_checkpointed_within_a_step_though_logging_is_
 
 def test_sigterm_during_a_long_validation_is_checkpointed_at_once(data, tmp_path):
     out = tmp_path / "out"
-    args = tiny(data, out, max_steps=100, val_tokens=100_000, n_embd=128, ckpt_every_steps=0)
+    args = tiny(data, out, max_steps=100, val_tokens=80_000, n_embd=128, ckpt_every_steps=0)
     elapsed, status, output = signal_and_time_the_checkpoint(args, out, tmp_path / "run.out", r"^model: ")
     print(f"SIGTERM during validation -> checkpoint complete on 2 ranks: {elapsed:.2f} s")
     assert checkpoints(out) == ["step_00000000"] and "stopped by a signal at step 0" in output, output[-3000:]
@@ -191,6 +192,27 @@ def test_kill9_then_resume_is_exact_and_resumes_on_another_world_size(data, two_
     assert_same_trajectory(tmp_path / "killed_copy", two_rank_run)
 
 
+def test_a_lost_peer_ends_each_survivor_with_one_line_saying_a_rerun_resumes(data, tmp_path):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    cmd = torchrun(tiny(data, out, dist_timeout_s=20))
+    cmd[3:3] = ["--log-dir", str(logs), "--redirects", "3"]  # each worker's stdout and stderr in a file of its own
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_line(out / "main.log", r"^s:5 trl", proc)
+        for pid in process_tree(proc.pid)[1:]:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"RANK=1" in f.read().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    [stderr_path] = logs.glob("*/attempt_0/0/stderr.log")
+    lines = [line for line in stderr_path.read_text().splitlines() if not line.startswith("indexed_dataset:")]
+    assert len(lines) == 1, "\n".join(lines[-50:])
+    assert re.fullmatch(r"\[rank 0\] train_gpt2.py: error: lost another rank of the run \(killed, .*\); rerun the "
+                        r"same command to resume from the last checkpoint", lines[0]), lines[0]
+
+
 def sigterm_one_process(args, out, pattern):
     """Run train_gpt2.py in one process, SIGTERM it once `pattern` is in its main.log; (process, stdout, stderr)."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args], cwd=ROOT,
@@ -215,6 +237,36 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_proc
     train_gpt2.main(tiny(data, out, ckpt_every_steps=0))
     assert metrics(out, "train_loss") == metrics(one_process_run, "train_loss")
     assert metrics(out, "val_loss") == metrics(one_process_run, "val_loss")
+
+
+def test_a_schedulers_double_sigterm_still_checkpoints_at_the_stop_step_and_resumes_exactly(data, two_rank_run,
+                                                                                             tmp_path):
+    # Slurm signals every process of the job, then torchrun forwards its own SIGTERM: the second must not kill
+    out = tmp_path / "preempted"
+    log_path = tmp_path / "run.out"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(torchrun(tiny(data, out)), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(out / "main.log", r"^s:13 trl", proc)
+        for pid in process_tree(proc.pid)[1:]:  # the workers
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    output = log_path.read_text()
+    stopped = re.search(r"stopped by a signal at step (\d+)", output)
+    assert stopped, output[-3000:]
+    step = int(stopped.group(1))
+    assert step > 13 and checkpoints(out)[-1] == f"step_{step:08d}", output[-3000:]
+    assert output.count("SIGTERM again while stopping") <= 1
+    # torchrun reports the signal it got with a traceback of its own; the workers print none
+    assert output.count("Traceback") == output.count("elastic.multiprocessing.api.SignalException: Process"), output
+
+    run(torchrun(tiny(data, out)))
+    assert metrics(out, "train_loss") == metrics(two_rank_run, "train_loss")
+    assert metrics(out, "val_loss") == metrics(two_rank_run, "val_loss")
 
 
 KILL_IN_SECOND_CHECKPOINT_WRITE = """
@@ -302,6 +354,55 @@ def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp
     with torch.no_grad():
         torch.testing.assert_close(GPT2LMHeadModel.from_pretrained(str(out2 / "hf"))(tokens).logits,
                                    load_model(str(out2))(tokens)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_init_from_a_hub_id_is_downloaded_by_each_nodes_first_rank_into_its_own_cache(data, hf_tiny, tmp_path):
+    launcher = tmp_path / "launch_with_fault.py"
+    launcher.write_text(LAUNCHER)
+    args = tiny(data, tmp_path / "out", init_from="someone/tiny-gpt2", max_steps=2)
+
+    def env(home):
+        os.makedirs(home, exist_ok=True)
+        return dict(os.environ, FAULT="fake_hub", FAKE_HUB_MODEL=hf_tiny, HF_HOME=str(home), PYTHONPATH=ROOT)
+
+    def downloaded_by(home):
+        return (home / "downloaded_by_ranks").read_text().split()
+
+    # one node, two ranks: local rank 0 downloads, rank 1 waits and reads the node's cache
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(launcher), *args], cwd=ROOT, env=env(tmp_path / "home"), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert downloaded_by(tmp_path / "home") == ["0"]
+
+    # two nodes without a shared home: each node's first rank downloads into its own cache
+    def two_nodes(out, offline_node=None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+                                   "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+                                   str(launcher), *args, f"--out_dir={out}"], cwd=ROOT,
+                                  env=dict(env(tmp_path / f"{out.name}_home{node}"), **({"FAKE_HUB_OFFLINE": "1"}
+                                                                         if node == offline_node else {})),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        try:
+            return [node.communicate(timeout=300)[0] for node in nodes], [node.returncode for node in nodes]
+        finally:
+            for node in nodes:
+                node.kill()
+
+    outputs, status = two_nodes(tmp_path / "two_nodes")
+    assert status == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert downloaded_by(tmp_path / "two_nodes_home0") == ["0"]
+    assert downloaded_by(tmp_path / "two_nodes_home1") == ["1"]
+    # a node that cannot download: every rank says so at once, none waits in a collective until the timeout
+    outputs, status = two_nodes(tmp_path / "offline", offline_node=1)
+    assert status == [1, 1], outputs[0][-2000:] + outputs[1][-2000:]
+    for node, output in enumerate(outputs):
+        assert re.search(rf"\[rank {node}\] train_gpt2.py: error: someone/tiny-gpt2: no such local directory, and "
+                         r"not available online", output), output[-2000:]
+        assert output.count("Traceback") == 1 and "raise ChildFailedError" in output  # torchrun's report only
 
 
 def test_config_errors_name_the_key(tmp_path, data):
@@ -445,6 +546,34 @@ if kind == "bytes" and rank == args[0]:  # once args[2] bytes of this rank's sha
             die()
         return result
     train_gpt2.dcp.save, fs._write_item = save, write_item
+if kind == "sigterm_at_eval":  # every rank signalled at the start of the evaluation at step args[0]
+    real_evaluate = train_gpt2.Evaluator.__call__
+    def evaluate(self, model, step, stop):
+        if step == args[0]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(self, model, step, stop)
+    train_gpt2.Evaluator.__call__ = evaluate
+if kind == "live_init_from" and rank == 0:  # init_from's first checkpoint deleted by its live run (ckpt_keep=1) as
+    real_load_weights, tried = train_gpt2.load_weights, []  # it writes a newer one, before this rank reads it
+    def load_weights(path, model):
+        if not tried:
+            tried.append(path)
+            os.rename(path, os.path.join(os.path.dirname(path), "step_00000099"))
+        return real_load_weights(path, model)
+    train_gpt2.load_weights = load_weights
+if kind == "fake_hub":  # no network: a hub id is found in this node's own cache ($HF_HOME) once it is downloaded
+    import shutil
+    import model
+    def snapshot_download(repo_id, **kwargs):  # a download: local rank 0 of the node copies $FAKE_HUB_MODEL
+        cache = os.path.join(os.environ["HF_HOME"], "hub", repo_id)
+        if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(cache) and not os.environ.get("FAKE_HUB_OFFLINE"):
+            with open(os.path.join(os.environ["HF_HOME"], "downloaded_by_ranks"), "a") as f:
+                f.write(f"{rank}\\n")
+            shutil.copytree(os.environ["FAKE_HUB_MODEL"], cache)
+        if not os.path.isdir(cache) or os.environ.get("FAKE_HUB_OFFLINE"):
+            raise OSError(f"{repo_id}: not in this node's cache {cache}, and no network")
+        return cache
+    model.huggingface_hub.snapshot_download = snapshot_download
 if kind == "marker" and rank == 0:  # every file of checkpoint step args[0] written and synced, the marker not yet
     real_fsync_tree = train_gpt2.fsync_tree
     def fsync_tree(path):
@@ -498,6 +627,46 @@ def test_sigkill_at_seeded_points_then_rerun_gives_the_uninterrupted_run_bit_for
     assert result.returncode == 0, result.stderr[-3000:]
     assert metrics(out, "train_loss") == metrics(tmp_path / "reference", "train_loss")
     assert metrics(out, "val_loss") == metrics(tmp_path / "reference", "val_loss")
+
+
+def test_a_stop_before_the_first_update_resumes_bit_for_bit_on_one_process(data, tmp_path, monkeypatch):
+    args = dict(max_steps=12, ckpt_every_steps=4)
+    train_gpt2.main(tiny(data, tmp_path / "reference", **args))
+    out = tmp_path / "stopped"
+    real_build_optimizer = train_gpt2.build_optimizer
+
+    def build_optimizer_and_signal(*a):  # a SIGTERM during setup, before the step-0 evaluation
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build_optimizer(*a)
+
+    monkeypatch.setattr(train_gpt2, "build_optimizer", build_optimizer_and_signal)
+    assert train_gpt2.main(tiny(data, out, **args)) == 128 + signal.SIGTERM
+    assert checkpoints(out) == ["step_00000000"]
+    monkeypatch.undo()
+    assert train_gpt2.main(tiny(data, out, **args)) == 0
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(tmp_path / "reference", key)
+    assert vislog(out / "main.log") == vislog(tmp_path / "reference" / "main.log")
+
+
+def test_a_stop_during_the_step_0_evaluation_resumes_bit_for_bit_on_two_ranks(data, tmp_path):
+    args = dict(max_steps=12, ckpt_every_steps=4)
+    assert launch(tmp_path, tiny(data, tmp_path / "reference", **args)).returncode == 0
+    out = tmp_path / "stopped"
+    result = launch(tmp_path, tiny(data, out, **args), "sigterm_at_eval:0")
+    assert "stopped by a signal at step 0" in result.stdout, result.stderr[-3000:]
+    assert checkpoints(out) == ["step_00000000"]
+    assert launch(tmp_path, tiny(data, out, **args)).returncode == 0
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(tmp_path / "reference", key)
+
+
+def test_init_from_a_live_run_on_two_ranks_loads_its_newer_checkpoint_on_every_rank(data, tmp_path):
+    source = tmp_path / "source"
+    assert launch(tmp_path, tiny(data, source, max_steps=4, ckpt_every_steps=2)).returncode == 0
+    result = launch(tmp_path, tiny(data, tmp_path / "out", max_steps=2, init_from=str(source)), "live_init_from")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000099'}" in result.stdout
 
 
 def test_non_finite_weights_are_never_checkpointed_or_exported(data, tmp_path):
