@@ -111,9 +111,9 @@ def signal_spec(rng, cfg):
     elif phase == "evaluation":
         hook, nth, delay = phase, rng.randrange(2), rng.uniform(0, cfg["eval_s"])
     elif phase == "checkpoint":
-        hook, nth, delay = phase, rng.randrange(3), rng.uniform(0, 0.25)
+        hook, nth, delay = phase, rng.randrange(3), rng.uniform(0, 0.2)  # a write takes 0.2-0.6 s here
     elif phase == "export":
-        hook, nth, delay = phase, 0, rng.uniform(0, 0.25)
+        hook, nth, delay = phase, 0, rng.uniform(0, 0.15)  # so does the export
     else:
         hook, nth, delay = phase, rng.randrange(1, cfg["max_steps"]), rng.uniform(0, 0.05)
     return phase, f"{hook}:{nth}:{sender}:{delay:.3f}:{kind}"
@@ -215,18 +215,22 @@ def main():
     status, output, _ = launch(work, tiny(data, reference, **config))
     assert status == 0, output[-3000:]
     config["eval_s"] = max(float(s) for s in re.findall(r"val loss [\d.]+ \| ([\d.]+) s", output))
-    counts, failures, tracebacks = collections.Counter(), [], []
-    runs = [args.only_run] if args.only_run is not None else range(args.runs)
-    for index in runs:
-        why = soak_run(work, data, config, reference, random.Random(f"{args.seed}:{index}"), counts, tracebacks)
-        print(f"run {index}: {why or 'equal'}", flush=True)
-        if why:
-            failures.append(index)
-            shutil.copytree(os.path.join(work, "run"), os.path.join(work, f"failed_run_{index}"))
+    counts, failures, tracebacks, done = collections.Counter(), [], [], []
+    try:
+        for index in [args.only_run] if args.only_run is not None else range(args.runs):
+            why = soak_run(work, data, config, reference, random.Random(f"{args.seed}:{index}"), counts, tracebacks)
+            print(f"run {index}: {why or 'equal'}", flush=True)
+            done.append(index)
+            if why:
+                failures.append(index)
+                shutil.copytree(os.path.join(work, "run"), os.path.join(work, f"failed_run_{index}"))
+    except KeyboardInterrupt:  # Ctrl-C (or kill -INT) ends the soak early: the counts of the runs that finished
+        print(f"interrupted during run {len(done)}: counting the {len(done)} runs before it (the signals of the "
+              f"interrupted one included)")
     phases = {p: counts[f"phase {p}"] for p in PHASES}
     outcomes = {key[len("outcome: "):]: n for key, n in sorted(counts.items()) if key.startswith("outcome: ")}
     lost = {key[len("steps lost in "):]: n for key, n in sorted(counts.items()) if key.startswith("steps lost in ")}
-    print(f"{len(runs)} runs ({counts['attempts']} torchrun launches) of {args.max_steps} steps on 2 ranks; "
+    print(f"{len(done)} runs ({counts['attempts']} torchrun launches) of {args.max_steps} steps on 2 ranks; "
           f"{counts['signals']} signals sent (by phase {phases}; single {counts['single']}, double "
           f"{counts['double']}); outcomes {outcomes}; steps trained again after a kill {lost or 0}; launches with a "
           f"train_gpt2.py traceback: {counts['launches with a train_gpt2.py traceback']}; hung: {counts['hung']}; "
