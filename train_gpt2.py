@@ -905,12 +905,15 @@ class Evaluator:
             on_rank0(lambda: len(hellaswag.load_examples(path)))  # downloaded once, by rank 0
             self.hellaswag = hellaswag.render_all(hellaswag.load_examples(path))  # tokenized once per run
 
-    def __call__(self, model, step, stop):
-        """Whether the evaluation ran to its end (False: a stop was requested during it)."""
+    def __call__(self, model, step, stop, logged=()):
+        """Whether the evaluation ran to its end (False: a stop was requested during it). `logged`: the results
+        (metrics.jsonl keys) already logged for this step before a restart, not evaluated again."""
         cfg, log, stopped = self.cfg, self.log, lambda: any_rank(stop.signal is not None)
         rank, world_size = rank_and_world_size()
         head, batch_size = f"step {step:5d}/{cfg.max_steps} |", cfg.local_batch_size
-        if self.val_data is not None:
+        if logged:
+            log(f"{head} {', '.join(sorted(logged))} of this step logged before the restart; not evaluated again")
+        if self.val_data is not None and "val_loss" not in logged:
             # rank r scores windows r, r + W, ..., every rank in as many forwards (a sharded forward is collective)
             t0, mine = time.perf_counter(), list(range(rank, len(self.val_data), world_size))
             totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
@@ -932,7 +935,7 @@ class Evaluator:
                 raise FloatingPointError(f"step {step}: val loss {val_loss} is not finite; stopped, state not saved")
             log(f"{head} val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s", f"s:{step} tel:{val_loss:.4f}",
                 step=step, val_loss=val_loss)
-        if self.hellaswag is not None and (step > 0 or cfg.eval_only):
+        if self.hellaswag is not None and (step > 0 or cfg.eval_only) and "hellaswag_acc_norm" not in logged:
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
                                         autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit, stopped=stopped)
             if result is None:
@@ -940,7 +943,7 @@ class Evaluator:
             log(f"{head} hellaswag acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['total']})",
                 f"s:{step} eval:{result['acc_norm']:.4f}", step=step, hellaswag_acc_norm=result["acc_norm"],
                 hellaswag_acc=result["acc"])
-        if self.sample_tokens and step > 0:
+        if self.sample_tokens and step > 0 and "sample" not in logged:
             with self.autocast:
                 text = sample_texts(model, "", max_new_tokens=self.sample_tokens, seed=cfg.seed + step,
                                     device=self.device)[0]
@@ -1157,11 +1160,30 @@ def setup(cfg, world_size, device, log, stop):
     return model, optimizer, step, train_data, evaluate, step_log, data
 
 
+def evaluations_logged(out_dir, step):
+    """Which evaluation results (val_loss, hellaswag_acc_norm, sample) out_dir/metrics.jsonl holds for `step`."""
+    found = set()
+    try:
+        with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("step") == step:
+                    found |= {key for key in ("val_loss", "hellaswag_acc_norm", "sample") if key in record}
+    except FileNotFoundError:
+        pass
+    return found
+
+
 def train(cfg, rank, world_size, device, log, stop):
     state = setup(cfg, world_size, device, log, stop)
     if isinstance(state, int):
         return state
     model, optimizer, step, train_data, evaluate, step_log, data = state
+    # a restart at a step whose evaluation was logged (a stop during HellaSwag, a raised max_steps) logs it once
+    logged = on_rank0(lambda: evaluations_logged(cfg.out_dir, step))
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size, step * cfg.global_batch_size,
                                       cfg.local_batch_size, rank, world_size))
@@ -1180,10 +1202,11 @@ def train(cfg, rank, world_size, device, log, stop):
         last_step = step == cfg.max_steps
         if step % cfg.val_every_steps == 0 or last_step:
             step_log.flush(keep_last=False)
-            if not evaluate(model, step, stop):  # a stop request came during the evaluation
+            if not evaluate(model, step, stop, logged):  # a stop request came during the evaluation
                 return save(step, stopping=True)
         if last_step:
             break
+        logged = ()
 
         # one optimizer step over global_batch_size sequences; nothing here waits for the device
         step_log.start_step()
@@ -1256,8 +1279,9 @@ def run(cfg, restore_signals=True):
         cause = lost_peer(e) if world_size > 1 else None
         if cause is None:
             raise
-        raise PeerLost(f"lost another rank of the run (killed, or its node failed or stopped answering: {cause}); "
-                       f"rerun the same command to resume from the last checkpoint") from None
+        raise PeerLost(f"lost another rank of the run (it was killed, ended with an error of its own, or its node "
+                       f"failed or stopped answering: {cause}); rerun the same command to resume from the last "
+                       f"checkpoint") from None
     finally:
         if restore_signals:
             stop.restore()

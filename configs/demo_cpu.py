@@ -23,7 +23,7 @@ min_lr = 1e-4
 lr_warmup_steps = 10
 
 val_every_steps = 100
-val_tokens = 8192
+val_tokens = 7680  # 120 windows of 64: the whole validation split of the bundled text (969,30,1)
 sample_tokens = 48
 ckpt_every_steps = 200
 out_dir = "out_demo"

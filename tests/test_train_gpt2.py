@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -817,16 +818,45 @@ def test_recipe_configs_load_with_the_reference_shapes(name, layers, width, head
     assert cfg.global_batch_size * cfg.seq_length == tokens_per_step and cfg.val_data_paths and cfg.split == "100,0,0"
 
 
-@pytest.fixture(scope="module")
-def gpt2_vocab_run(tmp_path_factory):
-    """Two steps of a 2-layer GPT-2 with the real vocabulary on Shakespeare tokens: its hf/ is what users load."""
-    base = tmp_path_factory.mktemp("gpt2_vocab")
-    prefix = str(base / "shakespeare")
+def gpt2_token_dataset(prefix):
+    """Shakespeare's first 2,000 paragraphs in GPT-2 tokens, each ending in EOT."""
     text = open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8").read()
     builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
     for block in text.split("\n\n")[:2000]:
         builder.add_document(np.array(gpt2_encoding().encode_ordinary(block) + [EOT_ID], np.uint16))
     builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_an_evaluation_logged_before_a_restart_is_logged_once(tmp_path, monkeypatch, capsys):
+    prefix = gpt2_token_dataset(str(tmp_path / "shakespeare"))
+    out = tmp_path / "out"
+    args = tiny(prefix, out, vocab_size=50257, max_steps=4, val_every_steps=2, ckpt_every_steps=2,
+                hellaswag=HELLASWAG_FIXTURE, index_mapping_dir=str(tmp_path / "cache"))
+    real_evaluate = hellaswag.evaluate
+
+    def signal_then_evaluate(*a, **kw):  # SIGTERM during the HellaSwag of step 2, after its val loss was logged
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_evaluate(*a, **kw)
+
+    monkeypatch.setattr(hellaswag, "evaluate", signal_then_evaluate)
+    assert train_gpt2.main(args) == 128 + signal.SIGTERM
+    monkeypatch.undo()
+    assert train_gpt2.main(args) == 0
+    assert "val_loss of this step logged before the restart; not evaluated again" in capsys.readouterr().out
+    assert train_gpt2.main(args + ["--max_steps=6"]) == 0  # a raised max_steps resumes at the logged step 4
+    with open(out / "main.log") as f:
+        lines = f.read().splitlines()
+    for step in (2, 4, 6):
+        assert lines.count(next(line for line in lines if line.startswith(f"s:{step} tel:"))) == 1
+        assert len([line for line in lines if line.startswith((f"s:{step} tel:", f"s:{step} eval:"))]) == 2
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab_run(tmp_path_factory):
+    """Two steps of a 2-layer GPT-2 with the real vocabulary on Shakespeare tokens: its hf/ is what users load."""
+    base = tmp_path_factory.mktemp("gpt2_vocab")
+    prefix = gpt2_token_dataset(str(base / "shakespeare"))
     out = base / "out"
     assert train_gpt2.main(tiny(prefix, out, vocab_size=50257, max_steps=2, index_mapping_dir=str(base / "cache"))) == 0
     return out / "hf"

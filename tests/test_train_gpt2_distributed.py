@@ -209,8 +209,8 @@ def test_a_lost_peer_ends_each_survivor_with_one_line_saying_a_rerun_resumes(dat
     [stderr_path] = logs.glob("*/attempt_0/0/stderr.log")
     lines = [line for line in stderr_path.read_text().splitlines() if not line.startswith("indexed_dataset:")]
     assert len(lines) == 1, "\n".join(lines[-50:])
-    assert re.fullmatch(r"\[rank 0\] train_gpt2.py: error: lost another rank of the run \(killed, .*\); rerun the "
-                        r"same command to resume from the last checkpoint", lines[0]), lines[0]
+    assert re.fullmatch(r"\[rank 0\] train_gpt2.py: error: lost another rank of the run \(it was killed, .*\); "
+                        r"rerun the same command to resume from the last checkpoint", lines[0]), lines[0]
 
 
 def sigterm_one_process(args, out, pattern):
@@ -765,6 +765,42 @@ def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
         holder.send_signal(signal.SIGKILL)  # the OS drops the lock of a killed holder: no stale lock
         holder.wait()
     assert train_gpt2.main(tiny(data, out, max_steps=1)) == 0
+
+
+SLOW_CHECKPOINT = """
+import time
+import train_gpt2
+real_save_checkpoint = train_gpt2.save_checkpoint
+def save_checkpoint(*args):  # a checkpoint that takes a while to write, as a large model's does
+    time.sleep(3)
+    return real_save_checkpoint(*args)
+train_gpt2.save_checkpoint = save_checkpoint
+train_gpt2.cli()
+"""
+
+
+@pytest.mark.parametrize("interrupts", [2, 3])
+def test_a_second_ctrl_c_says_the_checkpoint_is_being_written_and_a_third_aborts_without_a_traceback(
+        data, tmp_path, interrupts):
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CHECKPOINT, *tiny(data, out, ckpt_every_steps=0)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(out / "main.log", r"^s:5 trl", proc)
+        for _ in range(interrupts):  # a person's presses, apart (signals sent at once would merge into one)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "stopping: the checkpoint is being written; Ctrl-C again (or kill -9) aborts without it" in stderr
+    if interrupts == 2:
+        assert proc.returncode == 128 + signal.SIGINT and "stopped by a signal at step" in stdout
+        assert len(checkpoints(out)) == 1
+    else:
+        assert proc.returncode == -signal.SIGINT and checkpoints(out) == []
+        assert "aborted without a checkpoint; rerun the same command to resume from the last one" in stderr
 
 
 def test_sigterm_exits_143_after_its_checkpoint_and_a_finished_run_exits_0(data, tmp_path):
