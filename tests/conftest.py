@@ -1,7 +1,10 @@
 """Helpers and fixtures several test files use: tiny datasets, the tiny training config, torchrun, log readers."""
+import itertools
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -157,6 +160,28 @@ def wait_for_line(path, pattern, proc, timeout=300):
     raise TimeoutError(f"{pattern} never appeared in {path}")
 
 
+def kill_tree(proc):
+    """SIGKILL a process and all its descendants (torchrun starts its workers in their own sessions); reap it."""
+    for pid in reversed(process_tree(proc.pid)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def hf_difference(out, reference):
+    """'' when out/hf holds the same files as reference/hf, byte for byte (the weights bit for bit), else which not."""
+    names = sorted(os.listdir(os.path.join(reference, "hf")))
+    if not os.path.isdir(os.path.join(out, "hf")) or sorted(os.listdir(os.path.join(out, "hf"))) != names:
+        return "hf/ holds other files"
+    for name in names:
+        with open(os.path.join(out, "hf", name), "rb") as a, open(os.path.join(reference, "hf", name), "rb") as b:
+            if a.read() != b.read():
+                return f"hf/{name} differs"
+    return ""
+
+
 def process_tree(pid):
     """pid and all its descendants (torchrun starts its workers in their own sessions)."""
     children = {}
@@ -174,3 +199,123 @@ def process_tree(pid):
         tree.append(p)
         todo.extend(children.get(p, []))
     return tree
+
+
+# -----------------------------------------------------------------------------
+# two "nodes" on one machine: network namespaces joined by a veth pair
+
+NETWORK_COUNTER = itertools.count()
+# caches a node would find in its own HOME unless these point elsewhere: a node gets none of the test runner's
+HOME_CACHES = ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME",
+               "HELLASWAG_CACHE", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def ip(*args):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=True)
+
+
+def kill_namespace(namespace):
+    """SIGKILL every process still in the network namespace (all of them were started by the test)."""
+    try:
+        pids = ip("netns", "pids", namespace).stdout.split()
+    except subprocess.CalledProcessError:
+        return
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def network_namespaces():
+    """Skips the test, before any module-scoped reference run, where network namespaces cannot be made."""
+    if os.geteuid() != 0:
+        pytest.skip("two-node test: creating network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("two-node test: iproute2's `ip` is not installed")
+    probe = f"gpt2test{os.getpid()}probe"
+    try:
+        ip("netns", "add", probe)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"two-node test: `ip netns add` was refused here: {e.stderr.strip()}")
+    ip("netns", "del", probe)
+    # a test session killed outright (SIGKILL, SIGTERM) runs no cleanup: its namespaces go when the next one starts
+    for line in ip("netns", "list").stdout.splitlines():
+        name = line.split()[0]
+        owner = re.fullmatch(r"gpt2test(\d+)x\d+n\d", name)
+        if owner and not os.path.exists(f"/proc/{owner.group(1)}"):
+            kill_namespace(name)
+            ip("netns", "del", name)
+
+
+@pytest.fixture
+def two_nodes(network_namespaces, tmp_path):
+    """Two "nodes": network namespaces joined by a veth pair, 10.77.0.1/30 and 10.77.0.2/30 (the addresses exist only
+    inside them), each with a HOME of its own; a list of dicts (namespace, interface, address, home). Both namespaces,
+    and the veth pair with them, are removed afterwards with every process in them, also when the test fails. Needs
+    root and iproute2 (CI runs as root); elsewhere the test is skipped saying why."""
+    tag = f"{os.getpid()}x{next(NETWORK_COUNTER)}"  # unique per test run: parallel sessions never share a name
+    nodes = [dict(namespace=f"gpt2test{tag}n{i}", interface=f"gv{tag}{'ab'[i]}", address=f"10.77.0.{i + 1}",
+                  home=str(tmp_path / f"home{i}")) for i in range(2)]
+    created = []
+    try:
+        for node in nodes:
+            ip("netns", "add", node["namespace"])
+            created.append(node["namespace"])
+        try:
+            ip("link", "add", nodes[0]["interface"], "netns", nodes[0]["namespace"], "type", "veth",
+               "peer", "name", nodes[1]["interface"], "netns", nodes[1]["namespace"])
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"two-node test: a veth pair between network namespaces was refused: {e.stderr.strip()}")
+        for node in nodes:
+            ip("-n", node["namespace"], "addr", "add", node["address"] + "/30", "dev", node["interface"])
+            ip("-n", node["namespace"], "link", "set", "lo", "up")
+            ip("-n", node["namespace"], "link", "set", node["interface"], "up")
+            os.makedirs(node["home"])
+        yield nodes
+    finally:
+        for namespace in created:
+            kill_namespace(namespace)
+            ip("netns", "del", namespace)  # its end of the veth pair goes with it, and so the pair
+
+
+def node_torchrun(nodes, index, args, port, rdzv_id):
+    """(command, environment) of node `index`'s torchrun: one rank per node, c10d rendezvous hosted by node 0."""
+    node = nodes[index]
+    cmd = ["ip", "netns", "exec", node["namespace"], sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+           "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint={nodes[0]['address']}:{port}",
+           f"--rdzv_id={rdzv_id}", f"--rdzv_conf=is_host={int(index == 0)},join_timeout=60,read_timeout=60",
+           f"--local_addr={node['address']}", os.path.join(ROOT, "train_gpt2.py"), *args]
+    env = {key: value for key, value in os.environ.items() if key not in HOME_CACHES}
+    # torchrun sets OMP_NUM_THREADS=1 only for several processes per node: the same threads, the same bits
+    env.update(HOME=node["home"], GLOO_SOCKET_IFNAME=node["interface"], OMP_NUM_THREADS="1")
+    return cmd, env
+
+
+def start_nodes(nodes, args, log_dir, port=29400):
+    """Both nodes' torchrun started, each in its own session, output in log_dir/node{0,1}.out; the processes."""
+    os.makedirs(log_dir, exist_ok=True)
+    procs, rdzv_id = [], f"test{os.getpid()}x{port}"
+    for index in range(2):
+        cmd, env = node_torchrun(nodes, index, args, port, rdzv_id)
+        with open(os.path.join(log_dir, f"node{index}.out"), "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs
+
+
+def wait_nodes(procs, log_dir, timeout=240):
+    """Both nodes' exit statuses and outputs; any process still running after `timeout` seconds is killed."""
+    deadline = time.time() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    outputs = []
+    for index in range(2):
+        with open(os.path.join(log_dir, f"node{index}.out")) as f:
+            outputs.append(f.read())
+    return [proc.returncode for proc in procs], outputs

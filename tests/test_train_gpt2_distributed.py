@@ -26,8 +26,8 @@ import torch
 import plot_log
 import sample
 import train_gpt2
-from conftest import (ROOT, checkpoints, metrics, process_tree, run, save_tiny_hf_gpt2, tiny, torchrun, vislog,
-                      wait_for_line)
+from conftest import (ROOT, checkpoints, hf_difference, metrics, process_tree, run, save_tiny_hf_gpt2, start_nodes,
+                      tiny, torchrun, vislog, wait_for_line, wait_nodes)
 from indexed_dataset import sequential_samples
 from model import MARKER, check_checkpoint, complete_checkpoints, load_model, resolve_checkpoint
 
@@ -812,3 +812,71 @@ def test_sigterm_exits_143_after_its_checkpoint_and_a_finished_run_exits_0(data,
     assert "Warning" not in stderr  # e.g. no FutureWarning from a decorated class
     assert len(complete_checkpoints(str(out / "ckpt"))) == 1
     assert train_gpt2.main(args) == 0
+
+
+# -----------------------------------------------------------------------------
+# two nodes: network namespaces joined by a veth pair, one torchrun (one rank) on each, c10d rendezvous
+
+def worker_view(procs):
+    """(HOME, network namespace) of each node's training process, read from /proc while it runs."""
+    views = []
+    for proc in procs:
+        for pid in process_tree(proc.pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+                namespace = os.readlink(f"/proc/{pid}/ns/net")
+            except OSError:
+                continue
+            if b"LOCAL_RANK" in env:  # a worker: torchrun sets LOCAL_RANK for its workers alone
+                views.append((env[b"HOME"].decode(), namespace))
+    return views
+
+
+def test_two_nodes_give_the_two_rank_run_bit_for_bit_each_with_its_own_home(data, two_rank_run, two_nodes, tmp_path):
+    out = tmp_path / "two_nodes"
+    procs = start_nodes(two_nodes, tiny(data, out), tmp_path)
+    try:
+        wait_for_line(out / "main.log", r"^s:2 trl", procs[0])
+        views = worker_view(procs)
+    finally:
+        status, outputs = wait_nodes(procs, tmp_path)
+    assert status == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    # one worker per node, each in its node's network namespace with its node's HOME; out_dir is shared (a shared
+    # filesystem), the homes are not: nothing a rank reads may live only in another node's HOME
+    assert sorted(home for home, _ in views) == [two_nodes[0]["home"], two_nodes[1]["home"]], views
+    assert len({namespace for _, namespace in views}) == 2, views
+    assert os.listdir(two_nodes[0]["home"]) == os.listdir(two_nodes[1]["home"]) == []  # no cache left in a HOME
+    assert "world size 2, device cpu" in "".join(outputs)
+    assert (out / "main.log").read_text() == open(os.path.join(two_rank_run, "main.log")).read()
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(two_rank_run, key), key
+    assert hf_difference(out, two_rank_run) == ""
+
+
+def test_sigterm_to_one_node_checkpoints_both_and_the_rerun_resumes_exactly(data, two_rank_run, two_nodes, tmp_path):
+    out = tmp_path / "two_nodes"
+    procs = start_nodes(two_nodes, tiny(data, out), tmp_path / "stopped", port=29400)
+    try:
+        wait_for_line(out / "main.log", r"^s:25 trl", procs[0])
+        procs[0].send_signal(signal.SIGTERM)  # node 0's torchrun, which also hosts the rendezvous, forwards it
+    finally:
+        status, outputs = wait_nodes(procs, tmp_path / "stopped")
+    output = "\n".join(outputs)
+    last = max(vislog(out / "main.log")["trl"])
+    assert 25 <= last < 59 and 0 not in status, output[-6000:]
+    # both ranks stopped at the same step and wrote its checkpoint together; the worker of node 1, which heard of the
+    # signal only through the training loop, exited 143 as the signalled one did (torchrun's failure summary says so)
+    assert f"stopped by a signal at step {last + 1}," in output, output[-6000:]
+    assert re.search(r"exitcode\s*: 143", outputs[1]), outputs[1][-3000:]
+    stop_checkpoint = out / "ckpt" / f"step_{last + 1:08d}"
+    assert checkpoints(out)[-1] == stop_checkpoint.name and check_checkpoint(str(stop_checkpoint)) is None
+
+    procs = start_nodes(two_nodes, tiny(data, out), tmp_path / "resumed", port=29401)
+    status, outputs = wait_nodes(procs, tmp_path / "resumed")
+    assert status == [0, 0], "\n".join(output[-3000:] for output in outputs)
+    assert f"resuming from {stop_checkpoint}" in "".join(outputs)
+    assert vislog(out / "main.log") == vislog(os.path.join(two_rank_run, "main.log"))
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(two_rank_run, key), key
+    assert hf_difference(out, two_rank_run) == ""
