@@ -219,7 +219,9 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # parameters() lists the tied weight once
         return 6 * n + 6 * self.config.n_layer * self.config.n_embd * (seq_len or self.config.block_size)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, logits_at=None):
+        """(logits, None) without targets, (None, mean loss) with them; logits_at, a pair of index tensors (rows,
+        positions), asks for the logits at those positions only, (len(rows), vocab) (HellaSwag scores its endings)."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
@@ -231,6 +233,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         # matmuls over the padded weight (aligned shapes); out come the real vocabulary's logits, or the loss alone
         if targets is None:
+            if logits_at is not None:
+                x = x[logits_at]
             return F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size].contiguous(), None
         return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                            vocab_size=self.config.vocab_size, compiled=self.compile_loss)

@@ -834,8 +834,10 @@ class Evaluator:
             log(f"{head} val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s", f"s:{step} tel:{val_loss:.4f}",
                 step=step, val_loss=val_loss)
         if self.hellaswag is not None and (step > 0 or cfg.eval_only):
+            # as many examples per forward as a training micro-batch has tokens
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
-                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit, stopped=stopped)
+                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit,
+                                        batch_tokens=batch_size * cfg.seq_length, stopped=stopped)
             if result is None:
                 return False
             log(f"{head} hellaswag acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['total']})",
