@@ -803,8 +803,9 @@ class Evaluator:
             if vocab_size != VOCAB_SIZE:
                 raise ValueError(f"config: hellaswag needs the GPT-2 vocabulary; the model has {vocab_size} tokens")
             path = None if cfg.hellaswag == "download" else cfg.hellaswag
-            on_rank0(lambda: len(hellaswag.load_examples(path)))  # downloaded once, by rank 0
-            self.hellaswag = hellaswag.render_all(hellaswag.load_examples(path))  # tokenized once per run
+            # read (downloaded into its cache), parsed and tokenized once, by rank 0 alone, and sent to every rank:
+            # other nodes need neither the file (no shared home) nor internet, and a bad file fails every rank alike
+            self.hellaswag = on_rank0(lambda: hellaswag.render_all(hellaswag.load_examples(path)))
 
     def __call__(self, model, step, stop):
         """Whether the evaluation ran to its end (False: a stop was requested during it)."""
