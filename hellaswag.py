@@ -112,7 +112,10 @@ def ending_losses(model, rendered, *, device, autocast_dtype=None):
     row_of, position = to_device(row_of, device), to_device(position, device)
     with torch.autocast(tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         logits = model(tokens, logits_at=(row_of, position))[0]  # the endings' logits only, not every position's
-    token_losses = F.cross_entropy(logits.float(), tokens[row_of, position + 1], reduction="none")
+    targets = tokens[row_of, position + 1]
+    # in fp32, a few thousand rows at a time: a micro-batch's endings can have tens of thousands of logit rows
+    token_losses = torch.cat([F.cross_entropy(logits[i:i + 4096].float(), targets[i:i + 4096], reduction="none")
+                              for i in range(0, len(targets), 4096)])
     sums = torch.zeros(len(tokens), device=tokens.device).index_add_(0, row_of, token_losses)
     return sums.view(-1, 4), (sums / torch.bincount(row_of, minlength=len(tokens)).clamp(min=1)).view(-1, 4)
 
