@@ -107,6 +107,23 @@ def _chunk_loss(logits, targets, vocab_size, count, with_grads):
     return loss
 
 
+def _chunk_loss_eager(logits, targets, vocab_size, count, with_grads):
+    """_chunk_loss without torch.compile: the same loss and gradient in four passes over the chunk, not eight. Each
+    eager op streams the whole chunk through memory, so log_softmax's row kernel (each row read, reduced and written
+    while in cache) replaces logsumexp (which also allocates a chunk-sized temporary) and the separate subtraction."""
+    out, logits = logits, logits.float()
+    logits[:, vocab_size:] = float("-inf")  # padded rows of the weight: no softmax mass, loss or gradient
+    torch.log_softmax(logits, dim=1, out=logits)  # in place: each row is reduced before it is written
+    valid = targets != -100  # F.cross_entropy's default ignore_index
+    safe = torch.where(valid, targets, 0)[:, None]
+    loss = -(logits.gather(1, safe).squeeze(1) * valid).sum()
+    if with_grads:
+        probs = logits.exp_()
+        probs.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=probs.dtype))  # touch the target entries only
+        out.copy_(probs.mul_((valid / count)[:, None]))  # a no-op where probs already is `out`
+    return loss
+
+
 _compiled_chunk_loss = functools.cache(lambda: torch.compile(_chunk_loss))  # on first use: dynamo takes 1 s to import
 
 
@@ -120,7 +137,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
         x, weight = (t.to(torch.get_autocast_dtype(device_type) if autocast else weight.dtype) for t in (x, weight))
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
-        body = _compiled_chunk_loss() if compiled and not torch.compiler.is_compiling() else _chunk_loss
+        if torch.compiler.is_compiling():  # inside a compiled caller: traced into its graph
+            body = _chunk_loss
+        else:
+            body = _compiled_chunk_loss() if compiled else _chunk_loss_eager
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if with_grads else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
@@ -199,7 +219,9 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # parameters() lists the tied weight once
         return 6 * n + 6 * self.config.n_layer * self.config.n_embd * (seq_len or self.config.block_size)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, logits_at=None):
+        """(logits, None) without targets, (None, mean loss) with them; logits_at, a pair of index tensors (rows,
+        positions), asks for the logits at those positions only, (len(rows), vocab) (HellaSwag scores its endings)."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
@@ -211,6 +233,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         # matmuls over the padded weight (aligned shapes); out come the real vocabulary's logits, or the loss alone
         if targets is None:
+            if logits_at is not None:
+                x = x[logits_at]
             return F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size].contiguous(), None
         return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                            vocab_size=self.config.vocab_size, compiled=self.compile_loss)

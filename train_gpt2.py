@@ -909,8 +909,9 @@ class Evaluator:
             if vocab_size != VOCAB_SIZE:
                 raise ValueError(f"config: hellaswag needs the GPT-2 vocabulary; the model has {vocab_size} tokens")
             path = None if cfg.hellaswag == "download" else cfg.hellaswag
-            on_rank0(lambda: len(hellaswag.load_examples(path)))  # downloaded once, by rank 0
-            self.hellaswag = hellaswag.render_all(hellaswag.load_examples(path))  # tokenized once per run
+            # read (downloaded into its cache), parsed and tokenized once, by rank 0 alone, and sent to every rank:
+            # other nodes need neither the file (no shared home) nor internet, and a bad file fails every rank alike
+            self.hellaswag = on_rank0(lambda: hellaswag.render_all(hellaswag.load_examples(path)))
 
     def __call__(self, model, step, stop, logged=()):
         """Whether the evaluation ran to its end (False: a stop was requested during it). `logged`: the results
@@ -943,8 +944,10 @@ class Evaluator:
             log(f"{head} val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s", f"s:{step} tel:{val_loss:.4f}",
                 step=step, val_loss=val_loss)
         if self.hellaswag is not None and (step > 0 or cfg.eval_only) and "hellaswag_acc_norm" not in logged:
+            # as many examples per forward as a training micro-batch has tokens
             result = hellaswag.evaluate(model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
-                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit, stopped=stopped)
+                                        autocast_dtype=self.autocast_dtype, limit=cfg.hellaswag_limit,
+                                        batch_tokens=batch_size * cfg.seq_length, stopped=stopped)
             if result is None:
                 return False
             log(f"{head} hellaswag acc_norm {result['acc_norm']:.4f} ({result['correct_norm']}/{result['total']})",

@@ -9,6 +9,7 @@ and bf16 autocast; the median of the timed steps is compared.
     git clone https://github.com/karpathy/nanoGPT ../nanoGPT
     python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT
     python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT --steps 20 --device cuda
+    python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT --no-compile --dtypes fp32   # the eager CPU step
 """
 import argparse
 import os
@@ -87,15 +88,20 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--nanogpt", default=os.environ.get("NANOGPT_DIR"), help="a nanoGPT checkout")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="both models eager")
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
+                        help="fp32 and/or bf16 autocast (bf16 is slow on CPUs without bf16 instructions)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.nanogpt_model = import_nanogpt(args.nanogpt)
     generator = torch.Generator().manual_seed(1)
     data = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     print(f"GPT 4x128, 4 heads, B={args.batch_size} T={args.seq_len}, vocab 50304, AdamW, {args.device}, "
-          f"{'compiled' if args.compile else 'eager'}, median of {args.steps} steps after {args.warmup} warm-up, "
+          f"{'compiled' if args.compile else 'eager'}, {torch.get_num_threads()} threads, median of {args.steps} steps after {args.warmup} warm-up, "
           f"alternating")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in [dict(fp32=torch.float32, bf16=torch.bfloat16)[name] for name in args.dtypes]:
         models, optimizers = build(args)  # fresh, identical weights for each precision
         seconds, losses = step_seconds(models, optimizers, idx, targets, dtype, args)
         tps = {name: idx.numel() / s for name, s in seconds.items()}

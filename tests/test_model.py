@@ -708,6 +708,12 @@ def test_logits_only_without_targets():
     assert loss is None and logits.shape == (3, 32, 100) and logits.is_contiguous()  # real vocabulary only
     logits, loss = model(idx, targets)
     assert logits is None and loss.shape == ()
+    # logits_at: the logits at chosen (row, position) pairs only, as HellaSwag asks for its endings'
+    rows, positions = torch.tensor([0, 0, 2, 1]), torch.tensor([5, 31, 0, 7])
+    with LargestOutput() as mode:
+        some, _ = model(idx, logits_at=(rows, positions))
+    torch.testing.assert_close(some, model(idx)[0][rows, positions])
+    assert some.shape == (4, 100) and [(4, 32), (32, 128)] in mode.matmul_shapes  # the head's GEMM has 4 rows
 
 
 class LargestOutput(TorchDispatchMode):

@@ -880,3 +880,50 @@ def test_sigterm_to_one_node_checkpoints_both_and_the_rerun_resumes_exactly(data
     for key in ("train_loss", "val_loss", "grad_norm"):
         assert metrics(out, key) == metrics(two_rank_run, key), key
     assert hf_difference(out, two_rank_run) == ""
+
+
+def two_localhost_nodes(args, homes, timeout=300):
+    """train_gpt2.py as two one-process nodes on this machine (static rendezvous), node i with HOME homes[i] and no
+    network (a dead proxy answers every download at once); their (exit status, output)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for node_rank, home in enumerate(homes):
+        env = {k: v for k, v in os.environ.items() if k != "HELLASWAG_CACHE"}
+        env.update(HOME=str(home), https_proxy="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node_rank}",
+               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+               os.path.join(ROOT, "train_gpt2.py"), *args]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        return [(proc.wait(timeout=timeout), proc.stdout.read()) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def test_hellaswag_download_is_read_by_global_rank_0_alone_so_nodes_need_no_shared_home(data, tmp_path):
+    """hellaswag="download" on two nodes with different HOMEs: rank 0 reads its cached copy and sends the examples,
+    so the node without one (and without internet) needs none; a bad copy is one line on every rank, not a hang."""
+    homes = [tmp_path / "home_node0", tmp_path / "home_node1"]
+    cached = homes[0] / ".cache" / "hellaswag" / "hellaswag_val.jsonl"
+    cached.parent.mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl"), cached)
+    homes[1].mkdir()
+    out = tmp_path / "out"
+    args = tiny(data, out, vocab_size=50257, max_steps=2, val_every_steps=2, ckpt_every_steps=0, hellaswag="download")
+    for status, output in two_localhost_nodes(args, homes):
+        assert status == 0, output[-3000:]
+    assert sorted(vislog(out / "main.log")["eval"]) == [2]  # HellaSwag scored at step 2
+    assert os.listdir(homes[1]) == []  # node 1 neither downloaded nor cached anything
+
+    with open(cached, "a") as f:
+        f.write('{"ctx": "cut short\n')
+    bad_run = args + [f"--out_dir={str(tmp_path / 'bad')!r}"]
+    for node_rank, (status, output) in enumerate(two_localhost_nodes(bad_run, homes)):
+        errors = [line for line in output.splitlines() if "train_gpt2.py: error:" in line]
+        frames = [line for line in output.splitlines() if re.search(r'File ".*(train_gpt2|hellaswag)\.py"', line)]
+        assert status != 0 and len(errors) == 1 and not frames, output[-3000:]  # torchrun's own report aside
+        assert f"[rank {node_rank}] train_gpt2.py: error: {cached}, line 12: not valid JSON" in errors[0]
