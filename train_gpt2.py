@@ -108,6 +108,19 @@ class TrainConfig:
     dist_timeout_s: int = 900  # a collective that waits longer than this fails instead of hanging
 
 
+# the oldest torch the whole test suite passes on (bench/compat.sh prints it); torch 2.6 runs FSDP2 on no CPU (its CPU
+# streams lack record_event) and breaks the compiled model's graph
+MIN_TORCH = "2.7.1"
+
+
+def torch_version_problem(version=torch.__version__):
+    """None, or the one line saying that this `version` of torch is older than MIN_TORCH."""
+    if torch.torch_version.TorchVersion(version) < MIN_TORCH:
+        return (f"torch {version} is older than {MIN_TORCH}, the oldest this code is tested on; "
+                f"pip install 'torch>={MIN_TORCH}' (or a CUDA build of it for GPUs)")
+    return None
+
+
 # dense bf16 tensor-core peak of one GPU in TFLOP/s, for MFU; the first name found in the device name wins
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("A100", 312), ("B200", 2250)]
 
@@ -690,7 +703,17 @@ def resume(resume_path, model, optimizer, cfg, data, log):
     if saved["max_steps"] != cfg.max_steps:
         log(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the cosine decay to min_lr {cfg.min_lr:g} now ends "
             f"at step {cfg.max_steps}; lr at step {step} is {lr_at(step, cfg):.3e}")
+    optimizer_keys = ("lr", "min_lr", "lr_warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip")
+    if changed := config_changes({key: saved[key] for key in optimizer_keys if key in saved}, cfg):
+        log(f"{'; '.join(changed)}: the config wins from step {step} on; lr at step {step} is {lr_at(step, cfg):.3e}")
     return step
+
+
+def config_changes(saved, cfg):
+    """'key saved -> now' for each key of the `saved` config dict that `cfg` sets otherwise (max_steps None: unset)."""
+    now = dataclasses.asdict(cfg)
+    return [f"{key} {value!r} -> {now[key]!r}" for key, value in saved.items()
+            if key in now and now[key] != value and not (key == "max_steps" and now[key] is None)]
 
 
 def data_state(train_data):
@@ -1131,7 +1154,10 @@ def setup(cfg, world_size, device, log, stop):
     """out_dir, data, model, optimizer, resume, evaluation, in that order; None when nothing is left to train."""
     resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir))
     if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
-        log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
+        differ = on_rank0(lambda: config_changes(read_train_state(resume_path)["config"], cfg))
+        log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do"
+            + (f"; the config differs from the run's ({'; '.join(differ)}) and a finished run takes no change: "
+               f"use a new out_dir, or raise max_steps to train on" if differ else ""))
         return None
     train_data, val_data = build_data(cfg, log)
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
@@ -1246,6 +1272,8 @@ def run(cfg):
 def cli(argv=None):
     """`python train_gpt2.py ...`: main()'s exit status; an error is one line, prefixed with the rank under torchrun."""
     argv = sys.argv[1:] if argv is None else argv
+    if problem := torch_version_problem():
+        sys.exit(f"train_gpt2.py: error: {problem}")
     if {"-h", "--help"} & set(argv):
         print(config_help())
         sys.exit(0)

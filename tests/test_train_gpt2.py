@@ -270,6 +270,19 @@ def test_an_older_python_gets_one_line_before_any_import():
         assert result.stderr == "train_gpt2.py: error: Python 3.10 or newer is needed, this is Python 3.9\n"
 
 
+def test_an_older_torch_stops_at_start_in_one_line():
+    """requirements.txt's floor is MIN_TORCH, the oldest torch bench/compat.sh passes the suite on."""
+    assert train_gpt2.torch_version_problem() is None and train_gpt2.torch_version_problem("2.7.1+cu126") is None
+    assert f"torch>={train_gpt2.MIN_TORCH}\n" in open(os.path.join(ROOT, "requirements.txt")).read()
+    path = os.path.join(ROOT, "train_gpt2.py")
+    told = (f"import runpy, sys, torch; torch.__version__ = torch.torch_version.TorchVersion('2.6.0+cu124'); "
+            f"sys.argv = [{path!r}, '--help']; runpy.run_path({path!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", told], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (1, ""), result.stderr
+    assert result.stderr == f"train_gpt2.py: error: torch 2.6.0+cu124 is older than {train_gpt2.MIN_TORCH}, the " \
+        f"oldest this code is tested on; pip install 'torch>={train_gpt2.MIN_TORCH}' (or a CUDA build of it for GPUs)\n"
+
+
 def test_val_data_paths_takes_a_blend_list():
     cfg = train_gpt2.load_config(["--val_data_paths=['1', 'a', '2', 'b']"])
     assert cfg.val_data_paths == ["1", "a", "2", "b"]
@@ -345,9 +358,12 @@ def test_a_resume_refuses_other_data_at_the_same_path_unless_allowed(finished, t
 
 
 def test_a_shorter_max_steps_within_the_plan_is_allowed_and_its_schedule_logged(finished, tmp_path, capsys):
-    copy, _, args = rerun(finished, tmp_path, max_steps=15)
+    copy, _, args = rerun(finished, tmp_path, max_steps=15, lr=1e-3)
     assert train_gpt2.main(args) == 0
-    assert "max_steps 20 -> 15: the cosine decay to min_lr 0 now ends at step 15" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "max_steps 20 -> 15: the cosine decay to min_lr 0 now ends at step 15" in said
+    lr = train_gpt2.lr_at(10, train_gpt2.load_config(args))
+    assert f"lr 0.003 -> 0.001: the config wins from step 10 on; lr at step 10 is {lr:.3e}" in said
     assert 15 in metrics(copy, "val_loss") and (copy / "hf").is_dir()  # the final evaluation and export at step 15
 
 
@@ -361,6 +377,11 @@ def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tm
     assert "this run is already complete" in capsys.readouterr().out
     assert {name: (copy / name).read_bytes() for name in before} == before
     assert train_gpt2.main(args + ["--eval_only=True", "--max_steps=5"]) == 0  # evaluation needs no step budget
+    capsys.readouterr()
+    assert train_gpt2.main(args + ["--seq_length=16", "--lr=1e-3"]) == 0  # what a finished run does not take is named
+    said = capsys.readouterr().out
+    assert "this run is already complete" in said and "the config differs from the run's (seq_length 32 -> 16; " \
+        "lr 0.003 -> 0.001) and a finished run takes no change" in said
 
 
 def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path):
