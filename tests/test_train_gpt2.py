@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -281,6 +282,50 @@ def test_an_older_torch_stops_at_start_in_one_line():
     assert (result.returncode, result.stdout) == (1, ""), result.stderr
     assert result.stderr == f"train_gpt2.py: error: torch 2.6.0+cu124 is older than {train_gpt2.MIN_TORCH}, the " \
         f"oldest this code is tested on; pip install 'torch>={train_gpt2.MIN_TORCH}' (or a CUDA build of it for GPUs)\n"
+
+
+def documented_commands():
+    """(file:line, world size, arguments) of each train_gpt2.py command in the code blocks of README.md and docs/*.md:
+    python (1 process) or torchrun (--nproc_per_node x --nnodes, an elastic --nnodes MIN:MAX at its MAX)."""
+    found = []
+    for path in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        in_block, pending = False, ""
+        for number, line in enumerate(open(path, encoding="utf-8"), 1):
+            if line.lstrip().startswith("```"):
+                in_block, pending = not in_block, ""
+                continue
+            pending += line.rstrip("\n")
+            if pending.endswith("\\"):  # a command continued on the next line
+                pending = pending[:-1]
+                continue
+            text, pending = pending, ""
+            for command in text.split("&&") if in_block else []:
+                words = shlex.split(command, comments=True)
+                script = next((i for i, word in enumerate(words) if word.endswith("train_gpt2.py")), None)
+                if script is None or not words[0].startswith(("python", "torchrun")) or "--help" in words:
+                    continue
+                options, launcher = {}, words[:script]
+                for i, word in enumerate(launcher):
+                    if word.startswith("--"):
+                        key, _, value = word[2:].replace("-", "_").partition("=")
+                        options[key] = value or (launcher[i + 1] if i + 1 < len(launcher) else "")
+                world = int(options.get("nproc_per_node", 1)) * int(options.get("nnodes", "1").split(":")[-1])
+                found.append((f"{os.path.relpath(path, ROOT)}:{number}", world, words[script + 1:]))
+    return found
+
+
+def test_every_train_gpt2_command_in_the_docs_passes_its_config_check_at_its_world_size(monkeypatch, capsys):
+    commands = documented_commands()
+    assert len(commands) >= 4 and any(world > 8 for _, world, _ in commands), commands  # one multi-node among them
+    monkeypatch.chdir(ROOT)
+    failures = []
+    for where, world, args in commands:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        try:
+            train_gpt2.load_config(args)
+        except (ValueError, OSError) as e:
+            failures.append(f"{where} (world size {world}): {e}")
+    assert not failures, "\n".join(failures)
 
 
 def test_val_data_paths_takes_a_blend_list():
@@ -771,6 +816,19 @@ def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(mon
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
     plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
     assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
+
+
+@pytest.mark.parametrize("kind", ["ours eager", "ours compiled"])
+def test_memory_plans_loss_head_is_within_30_percent_of_the_measured_head(kind):
+    """The head alone (bench/bench_loss_head.py's measurement: peak RSS of a fresh process above its baseline) for
+    1,024 rows of n_embd 768 over 50,304 in fp32, 512-row chunks on a CPU: compiled, no fp32 chunk beyond the buffer."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_loss_head.py"), "--child", kind,
+                             "--batch-size", "1", "--seq-len", "1024"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=900, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])[0]
+    planned = train_gpt2.loss_head_bytes(512, 50304, 768, 4, compiled=kind.endswith("compiled"))
+    assert abs(measured / planned - 1) < 0.3, (measured / 2**20, planned / 2**20)
 
 
 HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
