@@ -1165,7 +1165,9 @@ def setup(cfg, world_size, device, log, stop):
     """out_dir, data, model, optimizer, resume, evaluation, in that order; None when nothing is left to train."""
     resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir))
     if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
-        differ = on_rank0(lambda: config_changes(read_train_state(resume_path)["config"], cfg))
+        saved = on_rank0(lambda: read_train_state(resume_path)["config"])
+        differ = config_changes({k: v for k, v in saved.items() if k not in ("out_dir", "index_mapping_dir")},
+                                cfg)  # where the run and its index cache live is no change to the run
         log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do"
             + (f"; the config differs from the run's ({'; '.join(differ)}) and a finished run takes no change: "
                f"use a new out_dir, or raise max_steps to train on" if differ else ""))

@@ -36,7 +36,9 @@ for version in "$floor" "$@"; do
     continue
   fi
   holds=$("$venv/bin/python" -c 'import sys, torch; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")')
-  timeout "${SUITE_TIMEOUT_S:-14400}" "$venv/bin/python" -m pytest ${PYTEST_ARGS:--q} -p no:cacheprovider > "$log" 2>&1
+  # the venv first on PATH: the scripts the tests start (python3, torchrun in bench/gpu_h200.sh) are the venv's too
+  PATH="$venv/bin:$PATH" VIRTUAL_ENV=$venv timeout "${SUITE_TIMEOUT_S:-14400}" "$venv/bin/python" -m pytest \
+      ${PYTEST_ARGS:--q} -p no:cacheprovider > "$log" 2>&1
   code=$?
   counts=$(tail -1 "$log" | sed 's/^=* *//; s/ *=*$//')
   [ "$code" -eq 124 ] && counts="timed out after ${SUITE_TIMEOUT_S:-14400} s; last line: $counts"
