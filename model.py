@@ -124,7 +124,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, vocab_size, chunk_size, compiled, with_grads):
         # cast once, not per chunk and per matmul as autocast would (it caches casts of leaf parameters only)
         device_type, dtypes = x.device.type, (x.dtype, weight.dtype)
-        autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+        # (autocast is asked of the devices that have it: torch 2.7 cannot compile is_autocast_available, a break)
+        autocast = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
         x, weight = (t.to(torch.get_autocast_dtype(device_type) if autocast else weight.dtype) for t in (x, weight))
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
         body = _compiled_chunk_loss() if compiled and not torch.compiler.is_compiling() else _chunk_loss
