@@ -108,8 +108,8 @@ class TrainConfig:
     dist_timeout_s: int = 900  # a collective that waits longer than this fails instead of hanging
 
 
-# the oldest torch the whole test suite passes on (bench/compat.sh prints it); torch 2.6 runs FSDP2 on no CPU (its CPU
-# streams lack record_event) and breaks the compiled model's graph
+# the oldest torch the test suite is run on (bench/compat.sh); torch 2.6 cannot run FSDP2 on a CPU (its CPU streams
+# lack record_event: the CPU torchrun runs and the 2-rank tests fail)
 MIN_TORCH = "2.7.1"
 
 
