@@ -53,6 +53,10 @@ def log(message):
         print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
 
 
+# what a missing dataset's error adds
+MISSING_DATA = "write the token files with prepare_fineweb.py (see its --help), or check the path"
+
+
 # The .bin/.idx files
 class IndexedDataset:
     """Memory-mapped `<path_prefix>.bin` + `.idx`: `ds[i]` is a read-only view of sequence i; opening checks them."""
@@ -62,7 +66,8 @@ class IndexedDataset:
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else ""
+                hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else \
+                    f"; {MISSING_DATA}"
                 raise FileNotFoundError(f"{path}: no such file{hint}")
         self.sizes = {suffix: os.path.getsize(self.path_prefix + suffix) for suffix in (".bin", ".idx")}  # changed()
         bin_size, idx_size = self.sizes.values()
@@ -231,7 +236,7 @@ def resolve_blend(paths):
         matches = glob.glob(paths) + glob.glob(paths + ".bin") + glob.glob(paths + ".idx")
         prefixes = sorted({m[:-4] for m in matches if m.endswith((".bin", ".idx"))})
         if not prefixes:
-            raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files")
+            raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files; {MISSING_DATA}")
         return prefixes, None
     entries, numbers = [str(p).strip() for p in paths], []
     if not entries:

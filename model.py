@@ -96,11 +96,18 @@ def _chunk_loss(logits, targets, vocab_size, count, with_grads):
     lse = torch.logsumexp(logits, dim=-1)
     valid = targets != -100  # F.cross_entropy's default ignore_index
     safe = torch.where(valid, targets, 0)[:, None]
-    loss = ((lse - logits.gather(1, safe).squeeze(1)) * valid).sum()
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the target logit as a masked sum, a reduction beside the logsumexp's over the same rows
+        one_hot = torch.arange(logits.size(1), device=logits.device) == safe
+        target_logits = torch.where(one_hot, logits, 0.0).sum(1)
+    else:  # eager: read the target entries only
+        target_logits = logits.gather(1, safe).squeeze(1)
+    # (a gather compiled beside the in-place gradient below reads the gradient on torch 2.6 and 2.7: a wrong loss)
+    loss = ((lse - target_logits) * valid).sum()
     if with_grads:
         probs = logits.sub_(lse[:, None]).exp_()  # in place: in fp32 the very buffer of the logits
-        if torch.compiler.is_compiling():  # the one-hot fuses into the one pass that writes the gradient
-            probs = probs - (torch.arange(logits.size(1), device=logits.device) == safe).to(probs.dtype)
+        if compiling:  # the one-hot fuses into the one pass that writes the gradient
+            probs = probs - one_hot.to(probs.dtype)
         else:  # eager: touch the target entries only
             probs.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=probs.dtype))
         out.copy_(probs.mul_((valid / count)[:, None]))  # a no-op where probs already is `out`
@@ -134,7 +141,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, x, weight, targets, vocab_size, chunk_size, compiled, with_grads):
         # cast once, not per chunk and per matmul as autocast would (it caches casts of leaf parameters only)
         device_type, dtypes = x.device.type, (x.dtype, weight.dtype)
-        autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+        # (autocast is asked of the devices that have it: torch 2.7 cannot compile is_autocast_available, a break)
+        autocast = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
         x, weight = (t.to(torch.get_autocast_dtype(device_type) if autocast else weight.dtype) for t in (x, weight))
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
         if torch.compiler.is_compiling():  # inside a compiled caller: traced into its graph
@@ -313,7 +321,8 @@ def resolve_pretrained(name_or_path):
             raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available online ({e!r})") from e
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json")
+        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a train_gpt2.py run is "
+                                f"read from its out_dir or from one checkpoint, out_dir/ckpt/step_N)")
     ours = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size", n_layer="n_layer",
                 n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps")  # n_positions over n_ctx
     try:  # what is wrong with the config, prefixed by its path

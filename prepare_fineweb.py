@@ -75,9 +75,9 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
         entries = list(huggingface_hub.HfApi().list_repo_tree(repo_id, f"sample/{sample}", repo_type="dataset"))
     except Exception as e:  # offline, or no such sample: the download will say so, or find everything cached
         print(f"could not list {repo_id} sample/{sample} on the hub ({e}); checking the space for the outputs only")
-        entries = []
+        entries = None
     fetch = 0  # bytes of parquet not in the hub cache yet
-    for entry in entries:
+    for entry in entries or ():
         if not entry.path.endswith(".parquet"):
             continue
         cached = huggingface_hub.try_to_load_from_cache(repo_id, entry.path, cache_dir=data_dir, repo_type="dataset")
@@ -87,8 +87,9 @@ def check_disk_space(dataset, sample, data_dir, output_dir):
         os.makedirs(directory, exist_ok=True)
     written = sum(entry.stat().st_size for entry in os.scandir(output_dir) if OUTPUT_FILE.fullmatch(entry.name))
     needs = {data_dir: fetch, output_dir: max(SAMPLE_TOKENS[sample] * OUTPUT_BYTES_PER_TOKEN - written, 0)}
-    print(f"{repo_id} sample/{sample}: {fetch / 1e9:,.1f} GB of parquet to download into {data_dir}, about "
-          f"{needs[output_dir] / 1e9:,.1f} GB of outputs to write in {output_dir}")
+    download = "" if entries is None else f"{fetch / 1e9:,.1f} GB of parquet to download into {data_dir}, "
+    print(f"{repo_id} sample/{sample}: {download}about {needs[output_dir] / 1e9:,.1f} GB of outputs to write in "
+          f"{output_dir}")
     for directory in needs:  # directories on one filesystem add up
         need = sum(size for other, size in needs.items() if os.stat(other).st_dev == os.stat(directory).st_dev)
         space = shutil.disk_usage(directory).free

@@ -41,7 +41,7 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
 # what transformers saves for the hub's gpt2 tokenizer, defaults spelled out so that no reader has to assume them;
 # no clean-up of spaces before punctuation: decode gives back what tiktoken decodes
 HF_TOKENIZER_CONFIG = {
-    "tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024, "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
+    "tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
     "pad_token": None, "add_bos_token": False, "add_prefix_space": False, "errors": "replace",
     "clean_up_tokenization_spaces": False,
     "added_tokens_decoder": {str(EOT_ID): {"content": EOT, "lstrip": False, "normalized": True, "rstrip": False,
@@ -49,8 +49,9 @@ HF_TOKENIZER_CONFIG = {
 }
 
 
-def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
-    """GPT-2's tokenizer files in `directory` as the hub's gpt2 has them, tokenizer.json included (fast readers)."""
+def write_hf_tokenizer(directory, bpe_dir=BPE_DIR, model_max_length=1024):
+    """GPT-2's tokenizer files in `directory` as the hub's gpt2 has them, tokenizer.json included (fast readers);
+    model_max_length is the model's context (n_positions): readers truncate and warn by it."""
     gpt2_encoding(bpe_dir)  # checks both files' sha256
     vocab = pathlib.Path(bpe_dir, "encoder.json").read_bytes()
     merges = pathlib.Path(bpe_dir, "vocab.bpe").read_bytes()
@@ -65,10 +66,11 @@ def write_hf_tokenizer(directory, bpe_dir=BPE_DIR):
                   "merges": merges.decode("utf-8").split("\n")[1:-1]},  # after the "#version" line
     }
     special = dict.fromkeys(("bos_token", "eos_token", "unk_token"), EOT)
+    config = dict(HF_TOKENIZER_CONFIG, model_max_length=model_max_length)
     os.makedirs(directory, exist_ok=True)
     for name, content in (("vocab.json", vocab), ("merges.txt", merges),
                           ("tokenizer.json", json.dumps(fast, ensure_ascii=False).encode("utf-8")),
-                          ("tokenizer_config.json", json.dumps(HF_TOKENIZER_CONFIG, indent=2).encode() + b"\n"),
+                          ("tokenizer_config.json", json.dumps(config, indent=2).encode() + b"\n"),
                           ("special_tokens_map.json", json.dumps(special, indent=2).encode() + b"\n")):
         with atomic_write(os.path.join(directory, name)) as f:
             f.write(content)

@@ -7,6 +7,11 @@
 out_dir gets train_config.json, main.log (llm.c's format), metrics.jsonl, ckpt/step_NNNNNNNN/ (torch.distributed.
 checkpoint) and, at the end, hf/ (Hugging Face GPT-2). Rerun the command to resume, on any number of ranks.
 """
+import sys
+
+if sys.version_info < (3, 10):  # before any import: TrainConfig's `str | None` fields are a TypeError on 3.9
+    sys.exit("train_gpt2.py: error: Python 3.10 or newer is needed, this is Python %d.%d" % sys.version_info[:2])
+
 import ast
 import dataclasses
 import difflib
@@ -24,7 +29,6 @@ import re
 import resource
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -105,8 +109,23 @@ class TrainConfig:
     dist_timeout_s: int = 900  # a collective that waits longer than this fails instead of hanging
 
 
-# dense bf16 tensor-core peak of one GPU in TFLOP/s, for MFU; the first name found in the device name wins
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("A100", 312), ("B200", 2250)]
+# the oldest torch the test suite is run on (bench/compat.sh); torch 2.6 cannot run FSDP2 on a CPU (its CPU streams
+# lack record_event: the CPU torchrun runs and the 2-rank tests fail)
+MIN_TORCH = "2.7.1"
+
+
+def torch_version_problem(version=torch.__version__):
+    """None, or the one line saying that this `version` of torch is older than MIN_TORCH."""
+    if torch.torch_version.TorchVersion(version) < MIN_TORCH:
+        return (f"torch {version} is older than {MIN_TORCH}, the oldest this code is tested on; "
+                f"pip install 'torch>={MIN_TORCH}' (or a CUDA build of it for GPUs)")
+    return None
+
+
+# dense bf16 tensor-core peak of one GPU in TFLOP/s, for MFU; the first name found in the device name wins, so a more
+# specific name comes before the name it contains ("H200 NVL" before "H200")
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200 NVL", 835), ("H200", 989),
+                    ("A100", 312), ("B200", 2250)]
 
 
 # -----------------------------------------------------------------------------
@@ -118,18 +137,17 @@ def parse_config(config_class, argv):
 
     def checked(key, value, where, text=None):
         if key not in fields:
+            if key in NANOGPT_KEYS:  # a nanoGPT habit: where its meaning lives here, never a silent alias
+                raise ValueError(f"{where}: '{key}' is nanoGPT's name; here {NANOGPT_KEYS[key]}")
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
+            if key.startswith("wandb_"):
+                hint = "; wandb's keys are " + ", ".join(name for name in fields if name.startswith("wandb_"))
             raise ValueError(f"{where}: unknown config key '{key}'{hint}")
-        allowed = typing.get_args(fields[key].type) or (fields[key].type,)
-        if float in allowed and type(value) is int:
-            value = float(value)
-        if not any(type(value) is t or (t not in (int, bool) and isinstance(value, t)) for t in allowed):
-            if text is not None and str in allowed:
-                return text  # --split=969,30,1 means the string, not a tuple
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
-        return value
+        try:
+            return field_value(fields[key], value, text)
+        except TypeError as e:
+            raise ValueError(f"{where}: {key} {e}") from None
 
     for arg in argv:
         if arg.startswith("--"):
@@ -150,6 +168,50 @@ def parse_config(config_class, argv):
     return config_class(**values)
 
 
+def field_value(field, value, text=None):
+    """`value` as the dataclass `field` takes it (an int is a fine float; `text`, the value as written, where a str is
+    allowed); TypeError naming the types expected otherwise."""
+    allowed = typing.get_args(field.type) or (field.type,)
+    if float in allowed and type(value) is int:
+        value = float(value)
+    if any(type(value) is t or (t not in (int, bool) and isinstance(value, t)) for t in allowed):
+        return value
+    if text is not None and str in allowed:
+        return text  # --split=969,30,1 means the string, not a tuple
+    names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+    raise TypeError(f"must be {names}, got {value!r} ({type(value).__name__})")
+
+
+# nanoGPT's train.py keys that are not ours: where each one's meaning lives here
+NANOGPT_KEYS = {
+    "learning_rate": "it is --lr (the peak learning rate; cosine decay to --min_lr)",
+    "block_size": "it is --seq_length (tokens per training sequence; a new model gets seq_length positions)",
+    "max_iters": "it is --max_steps (optimizer steps of global_batch_size sequences)",
+    "lr_decay_iters": "the cosine decay always ends at --max_steps (nanoGPT's recipes set lr_decay_iters = max_iters)",
+    "warmup_iters": "it is --lr_warmup_steps",
+    "decay_lr": "the lr always follows warmup and cosine decay; --min_lr=<lr> holds it constant after warmup",
+    "eval_interval": "it is --val_every_steps (validation at step 0, every val_every_steps and after the last step)",
+    "eval_iters": "validation is counted in tokens: --val_tokens = eval_iters x batch_size x block_size "
+                  "(the first val_tokens of the validation split, in order; 0 = off)",
+    "log_interval": "every step is logged; --log_every_steps sets how often its numbers are read from the device",
+    "batch_size": "it is --local_batch_size (sequences per forward on one rank); --global_batch_size is the "
+                  "sequences per optimizer step",
+    "gradient_accumulation_steps": "it follows from the batch sizes: global_batch_size / (local_batch_size x world "
+                                   "size); set --global_batch_size = gradient_accumulation_steps x batch_size (nanoGPT "
+                                   "also divides the accumulation by the world size)",
+    "dropout": "the model has no dropout (as GPT-2 pretraining in llm.c and nanoGPT's 0.0); remove the key",
+    "bias": "the model always has GPT-2's biases",
+    "dataset": "it is --data_paths (token datasets written by prepare_fineweb.py: a prefix, glob or blend list)",
+    "always_save_checkpoint": "a checkpoint is written every --ckpt_every_steps and at the end, whatever the val loss",
+    "backend": "the backend follows the device: nccl on GPUs, gloo on CPU",
+}
+# init_from values of nanoGPT's that are not a model here
+NANOGPT_INIT_FROM = {
+    "resume": "rerunning the same command (the same out_dir) resumes from its newest checkpoint; drop init_from",
+    "scratch": "a fresh GPT-2 init is the default, init_from=None; drop init_from",
+}
+
+
 def exec_config(path):
     """The top-level assignments of a Python config file; its errors as ValueError naming file:line."""
     namespace = {}
@@ -168,7 +230,7 @@ def exec_config(path):
     return {k: v for k, v in namespace.items() if not k.startswith("_") and not inspect.ismodule(v)}
 
 
-# NeMo AutoModel's megatron_pretrain_gpt2.yaml, the recipe this project answers: its keys and ours
+# NeMo AutoModel's examples/llm_pretrain/megatron_pretrain_gpt2.yaml, the recipe this project answers: its keys and ours
 AUTOMODEL_KEYS = {
     "step_scheduler.global_batch_size": "global_batch_size", "step_scheduler.local_batch_size": "local_batch_size",
     "step_scheduler.ckpt_every_steps": "ckpt_every_steps", "step_scheduler.val_every_steps": "val_every_steps",
@@ -176,17 +238,62 @@ AUTOMODEL_KEYS = {
     "dataset.index_mapping_dir": "index_mapping_dir", "dataset.seq_length": "seq_length", "dataset.split": "split",
     "optimizer.lr": "lr", "optimizer.weight_decay": "weight_decay", "optimizer.eps": "adam_eps",
     "lr_scheduler.lr_warmup_steps": "lr_warmup_steps", "lr_scheduler.min_lr": "min_lr",
-    "checkpoint.checkpoint_dir": "out_dir", "wandb.project": "wandb_project", "wandb.name": "wandb_run_name"}
-# keys that change nothing here (AutoModel's classes for the same loader, loss, sharding); "x." names a section
-AUTOMODEL_SAME = ("dataloader.", "validation_dataloader.", "loss_fn.", "dataset.tokenizer.",
-                  "validation_dataset.tokenizer.", "dataset.splits_to_build", "validation_dataset.splits_to_build",
+    "checkpoint.checkpoint_dir": "out_dir", "wandb.project": "wandb_project", "wandb.name": "wandb_run_name",
+    # transformers.AutoConfig.from_pretrained(name, **these) sizes the model
+    "model.config.n_layer": "n_layer", "model.config.n_head": "n_head", "model.config.n_embd": "n_embd",
+    "model.config.vocab_size": "vocab_size"}
+# keys that change nothing here whatever their value (where files go, logging, the tokenizer of the same token files,
+# the checkpoint format); "x." names a section
+AUTOMODEL_SAME = ("dataset.tokenizer.", "validation_dataset.tokenizer.", "dataloader.collate_fn",
+                  "validation_dataloader.collate_fn", "dataset.splits_to_build", "validation_dataset.splits_to_build",
                   "step_scheduler.num_epochs", "rng.ranked", "dist_env.backend", "checkpoint.enabled",
                   "checkpoint.model_save_format", "checkpoint.save_consolidated", "model.is_meta_device",
-                  "distributed.dp_size", "distributed.dp_replicate_size", "distributed.strategy", "wandb.entity",
-                  "wandb.save_dir", "validation_dataset.paths", "validation_dataset.index_mapping_dir",
-                  "validation_dataset.split", "validation_dataset.seq_length")
+                  "distributed.dp_size", "distributed.dp_replicate_size", "wandb.entity", "wandb.save_dir", "wandb.dir",
+                  "validation_dataset.paths", "validation_dataset.index_mapping_dir", "validation_dataset.split",
+                  "validation_dataset.seq_length", "model.config.use_cache", "model.config.bos_token_id",
+                  "model.config.eos_token_id", "optimizer.foreach", "optimizer.fused", "optimizer.capturable",
+                  "optimizer.set_grad_none")
+# keys that behave as ours at these values only (a class name also matches the end of a dotted _target_)
+AUTOMODEL_VALUES = {
+    "recipe": ["TrainFinetuneRecipeForNextTokenPrediction"],
+    "recipe._target_": ["TrainFinetuneRecipeForNextTokenPrediction"],
+    "model._target_": ["NeMoAutoModelForCausalLM.from_config"], "model.config._target_": ["AutoConfig.from_pretrained"],
+    "model.torch_dtype": ["auto", "float32", "torch.float32", "bfloat16", "torch.bfloat16"],  # see master weights
+    "loss_fn._target_": ["MaskedCrossEntropy"], "rng._target_": ["StatefulRNG"],
+    "dataset._target_": ["MegatronPretraining"], "validation_dataset._target_": ["MegatronPretraining"],
+    "dataloader._target_": ["StatefulDataLoader"], "validation_dataloader._target_": ["StatefulDataLoader"],
+    "dataloader.dataloader_type": ["single"], "validation_dataloader.dataloader_type": ["single"],  # "cyclic" shuffles
+    "distributed._target_": ["FSDP2Manager"], "distributed.strategy": ["fsdp2"], "distributed.tp_size": [1, None],
+    "distributed.cp_size": [1, None], "distributed.pp_size": [1, None], "distributed.sequence_parallel": [False, None],
+    "lr_scheduler.lr_decay_style": ["cosine"],
+    "optimizer._target_": ["AdamW", "FusedAdam"], "optimizer.amsgrad": [False], "optimizer.maximize": [False],
+    # Transformer Engine's FusedAdam as our AdamW: decoupled weight decay, bias correction, fp32 master weights and
+    # moments (store_param_remainders keeps the master's low 16 bits beside the bf16 parameter: the same fp32 numbers)
+    "optimizer.adam_w_mode": [True], "optimizer.bias_correction": [True], "optimizer.master_weights": [True],
+    "optimizer.store_param_remainders": [True, False], "optimizer.master_weight_dtype": ["torch.float32", "float32"],
+    "optimizer.exp_avg_dtype": ["torch.float32", "float32"], "optimizer.exp_avg_sq_dtype": ["torch.float32", "float32"],
+    # GPT2Config values the model here has (no dropout: nanoGPT's and llm.c's pretraining use none either)
+    "model.config.activation_function": ["gelu_new", "gelu_pytorch_tanh"], "model.config.n_inner": [None],
+    "model.config.layer_norm_epsilon": [1e-5], "model.config.initializer_range": [0.02],
+    "model.config.tie_word_embeddings": [True], "model.config.scale_attn_weights": [True],
+    "model.config.resid_pdrop": [0, 0.0], "model.config.embd_pdrop": [0, 0.0], "model.config.attn_pdrop": [0, 0.0]}
+# the optimizer's own defaults, where the recipe leaves a value out: (lr, betas, eps, weight_decay)
+AUTOMODEL_OPTIMIZER_DEFAULTS = {"AdamW": (1e-3, [0.9, 0.999], 1e-8, 1e-2), "FusedAdam": (1e-3, [0.9, 0.999], 1e-8, 0.0)}
+# GPT-2 sizes by hub name: (n_layer, n_head, n_embd)
 GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
               "gpt2-xl": (48, 25, 1600)}
+
+
+def yaml_value(value):
+    """A YAML leaf as AutoModel's config loader reads it: strings such as "6e-4", "none" or "true" become values."""
+    if not isinstance(value, str):
+        return value
+    if value in ("none", "None", "true", "True", "false", "False"):
+        return {"none": None, "None": None, "true": True, "True": True}.get(value, False)
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return value
 
 
 def automodel_yaml(path):
@@ -202,43 +309,82 @@ def automodel_yaml(path):
 
     try:
         with open(path, encoding="utf-8") as f:
-            items = dict(flat(yaml.safe_load(f)))
+            written = dict(flat(yaml.safe_load(f)))
     except (yaml.YAMLError, AttributeError) as e:
         raise ValueError(f"{path}: not a YAML mapping of the recipe's sections: {str(e).splitlines()[0]}") from None
-    ours, same, unsupported = {}, [], []
+    items = {key: yaml_value(value) for key, value in written.items()}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+    def typed(key, kinds, expected):  # the recipe's value of `key`, if it is one of the types `kinds`
+        if type(items[key]) not in kinds:
+            raise ValueError(f"{path}: {key} must be {expected}, got {written[key]!r} ({type(written[key]).__name__})")
+        return items[key]
+
+    def behaves_as_ours(key):
+        value = items[key]
+        return any(value == v and type(value) is type(v) or isinstance(value, str) and isinstance(v, str) and
+                   value.endswith("." + v) for v in AUTOMODEL_VALUES[key])
+
+    number, count = (int, float), (int,)
+    seq_length = items.get("dataset.seq_length", fields["seq_length"].default)
+    optimizer = str(items.get("optimizer._target_", "")).rsplit(".", 1)[-1]
+    lr, betas, eps, weight_decay = AUTOMODEL_OPTIMIZER_DEFAULTS.get(optimizer, (None,) * 4)
+    ours = {} if lr is None else dict(lr=lr, beta1=betas[0], beta2=betas[1], adam_eps=eps, weight_decay=weight_decay)
+    same, differ = [], []
+    name = items.get("model.config.pretrained_model_name_or_path")  # its sizes first: model.config's own keys win
+    if name is not None and os.path.basename(str(name)) in GPT2_SIZES:
+        ours["n_layer"], ours["n_head"], ours["n_embd"] = GPT2_SIZES[os.path.basename(str(name))]
+        ours["vocab_size"] = 50257
     for key, value in items.items():
         if key in AUTOMODEL_KEYS:
-            ours[AUTOMODEL_KEYS[key]] = value
+            try:
+                ours[AUTOMODEL_KEYS[key]] = field_value(fields[AUTOMODEL_KEYS[key]], value, written[key])
+            except TypeError as e:
+                raise ValueError(f"{path}: {key} {e}") from None
         elif key == "optimizer.betas":
+            if type(value) not in (list, tuple) or len(value) != 2 or any(type(b) not in number for b in value):
+                raise ValueError(f"{path}: {key} must be a list of two numbers [beta1, beta2], got {written[key]!r}")
             ours["beta1"], ours["beta2"] = map(float, value)
         elif key == "dist_env.timeout_minutes":
-            ours["dist_timeout_s"] = int(value * 60)
+            ours["dist_timeout_s"] = max(1, round(typed(key, number, "a number of minutes") * 60))
         elif key == "validation_dataset.num_val_samples":
-            ours["val_tokens"] = value * items.get("dataset.seq_length", 1024)
-        elif key == "model.config.pretrained_model_name_or_path" and os.path.basename(str(value)) in GPT2_SIZES:
-            ours["n_layer"], ours["n_head"], ours["n_embd"] = GPT2_SIZES[os.path.basename(str(value))]
-        elif key == "optimizer._target_" and not any(name in str(value) for name in ("AdamW", "FusedAdam")):
-            unsupported.append(f"{key}={value!r}")  # any AdamW (torch's or Transformer Engine's) computes the same
-        elif key == "lr_scheduler.lr_decay_style" and value == "cosine" or key.endswith("_target_") or \
-                key in ("distributed.tp_size", "distributed.cp_size", "distributed.pp_size") and value in (1, None) or \
-                key == "distributed.sequence_parallel" and not value or \
-                any(key == p or p.endswith(".") and key.startswith(p) for p in AUTOMODEL_SAME):
+            ours["val_tokens"] = typed(key, count, "an int (validation sequences)") * seq_length
+        elif key == "model.config.pretrained_model_name_or_path":
+            if "n_layer" in ours:
+                same.append(f"{key}={value!r}")
+            else:
+                differ.append(f"{key}={value!r} (GPT-2 sizes known here: {', '.join(GPT2_SIZES)})")
+        elif key in ("model.config.n_positions", "model.config.n_ctx"):
+            if typed(key, count, "an int") == seq_length:  # a new model here has seq_length positions
+                same.append(f"{key}={value!r}")
+            else:
+                differ.append(f"{key}={value!r} (the model's context here is dataset.seq_length, {seq_length})")
+        elif key in AUTOMODEL_VALUES:
+            (same if behaves_as_ours(key) else differ).append(f"{key}={value!r}")
+        elif any(key == p or p.endswith(".") and key.startswith(p) for p in AUTOMODEL_SAME):
             same.append(key)
         else:
-            unsupported.append(f"{key}={value!r}")
+            differ.append(f"{key}={value!r}")
     for key in ("paths", "split", "seq_length"):
         theirs = items.get(f"validation_dataset.{key}", items.get(f"dataset.{key}"))
         if theirs != items.get(f"dataset.{key}"):
-            unsupported.append(f"validation_dataset.{key}={theirs!r} (validation is a split of dataset.paths here)")
-    if unsupported:
-        raise ValueError(f"{path}: not supported by train_gpt2.py: {', '.join(unsupported)}")
+            differ.append(f"validation_dataset.{key}={theirs!r} (validation is a split of dataset.paths here)")
+    if str(items.get("model.torch_dtype")) in ("bfloat16", "torch.bfloat16") and not (
+            optimizer == "FusedAdam" and items.get("optimizer.master_weights") is True):
+        differ.append("model.torch_dtype=bfloat16 without FusedAdam's master_weights (bf16 updates; fp32 here)")
+    if differ:
+        raise ValueError(f"{path}: not supported by train_gpt2.py: {', '.join(differ)}")
+    if "model.config.vocab_size" in items:  # rows of wte/lm_head: a multiple of 64, as GPT-2's 50304
+        ours["padded_vocab_size"] = -(-ours["vocab_size"] // 64) * 64
     if "wandb.project" in items or "wandb.name" in items:
         ours["wandb_log"] = True
     if ours.get("max_steps") == -1:
         ours["max_steps"] = None
+    dropout = [key for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop") if f"model.config.{key}" not in items]
     if int(os.environ.get("RANK", 0)) == 0:  # before the process group exists
         print(f"{path}: AutoModel recipe read as " + " ".join(f"--{k}={v!r}" for k, v in ours.items())
-              + f"; same behaviour here, nothing to map: {', '.join(same)}")
+              + f"; behaves the same here: {', '.join(same)}"
+              + (f"; not applied: {name}'s dropout 0.1 (the model here has none)" if name and dropout else ""))
     return ours
 
 
@@ -271,6 +417,8 @@ def load_config(argv):
     for key, choices in dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32")).items():
         if getattr(cfg, key) not in choices:
             raise ValueError(f"config: {key} must be one of {', '.join(choices)}, got {getattr(cfg, key)!r}")
+    if cfg.init_from in NANOGPT_INIT_FROM:
+        raise ValueError(f"config: init_from={cfg.init_from!r} is nanoGPT's; here {NANOGPT_INIT_FROM[cfg.init_from]}")
     if 0 < cfg.val_tokens < cfg.seq_length:
         raise ValueError(f"config: val_tokens {cfg.val_tokens} is less than one sequence of {cfg.seq_length}")
     if cfg.wandb_log and importlib.util.find_spec("wandb") is None:
@@ -611,7 +759,17 @@ def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     if saved["max_steps"] != cfg.max_steps:
         log(f"max_steps {saved['max_steps']} -> {cfg.max_steps}: the cosine decay to min_lr {cfg.min_lr:g} now ends "
             f"at step {cfg.max_steps}; lr at step {step} is {lr_at(step, cfg):.3e}")
+    optimizer_keys = ("lr", "min_lr", "lr_warmup_steps", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip")
+    if changed := config_changes({key: saved[key] for key in optimizer_keys if key in saved}, cfg):
+        log(f"{'; '.join(changed)}: the config wins from step {step} on; lr at step {step} is {lr_at(step, cfg):.3e}")
     return step
+
+
+def config_changes(saved, cfg):
+    """'key saved -> now' for each key of the `saved` config dict that `cfg` sets otherwise (max_steps None: unset)."""
+    now = dataclasses.asdict(cfg)
+    return [f"{key} {value!r} -> {now[key]!r}" for key, value in saved.items()
+            if key in now and now[key] != value and not (key == "max_steps" and now[key] is None)]
 
 
 def data_state(train_data):
@@ -646,7 +804,7 @@ def publish_hf(model, cfg):
 
     def extra_files(directory):
         if model.config.vocab_size == VOCAB_SIZE:  # GPT-2's tokenizer, and generation that stops at its EOT
-            write_hf_tokenizer(directory)
+            write_hf_tokenizer(directory, model_max_length=model.config.block_size)  # its context
             with atomic_write(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as f:
                 json.dump(dict(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID), f, indent=2)
         with atomic_write(os.path.join(directory, HF_MARKER), "w", encoding="utf-8") as f:
@@ -774,7 +932,8 @@ def memory_plan(model_config, cfg, world_size, device):
         "FSDP2 gathered blocks": 2 * act_bytes * n_block if sharded else 0,
         "autocast copies": 2 * n if not sharded and cfg.dtype == "bfloat16" else 0,
         "activations": (1 if cfg.activation_checkpointing else 17) * act_bytes * tokens * model_config.n_embd * L,
-        "loss head chunk": 3 * min(tokens, LOSS_CHUNK_ROWS.get(device.type, 1024)) * vocab * 4}
+        "loss head": loss_head_bytes(min(tokens, LOSS_CHUNK_ROWS.get(device.type, 1024)), vocab, model_config.n_embd,
+                                     act_bytes, cfg.compile)}
     total = sum(parts.values()) / gib
     free = torch.cuda.mem_get_info(device)[0] / gib if device.type == "cuda" else None
     plan = (f"memory plan per rank ({world_size} rank(s), {cfg.dtype}, micro-batch {tokens:,} tokens): "
@@ -784,6 +943,14 @@ def memory_plan(model_config, cfg, world_size, device):
         more = "" if cfg.activation_checkpointing else " or set activation_checkpointing=True"
         plan += f"\nWARNING: this may not fit: lower local_batch_size{more}, or use more ranks"
     return plan, total
+
+
+def loss_head_bytes(rows, vocab, n_embd, act_bytes, compiled):
+    """What model.chunked_cross_entropy holds at its peak: the reused buffer of one chunk's logits (the compute dtype)
+    and its fp32 weight gradient; eagerly also an fp32 chunk for the logsumexp (and an fp32 copy of 16-bit logits),
+    which the compiled chunk's fused kernels never write: 0.97 GB at 8,192 rows of 50,304 in bf16, compiled."""
+    eager = 0 if compiled else rows * vocab * 4 * (1 if act_bytes == 4 else 2)
+    return rows * vocab * act_bytes + eager + 4 * vocab * n_embd
 
 
 def build_optimizer(model, cfg, device):
@@ -1138,7 +1305,12 @@ def setup(cfg, world_size, device, log, stop):
     train (eval_only, or a run already complete)."""
     resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir, cfg.eval_only))
     if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
-        log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do")
+        saved = on_rank0(lambda: read_train_state(resume_path)["config"])
+        differ = config_changes({k: v for k, v in saved.items() if k not in ("out_dir", "index_mapping_dir")},
+                                cfg)  # where the run and its index cache live is no change to the run
+        log(f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); nothing to do"
+            + (f"; the config differs from the run's ({'; '.join(differ)}) and a finished run takes no change: "
+               f"use a new out_dir, or raise max_steps to train on" if differ else ""))
         return 0
     train_data, val_data = build_data(cfg, log)
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
@@ -1309,6 +1481,8 @@ def run(cfg, restore_signals=True):
 def cli(argv=None):
     """`python train_gpt2.py ...`: main()'s exit status; an error is one line, prefixed with the rank under torchrun."""
     argv = sys.argv[1:] if argv is None else argv
+    if problem := torch_version_problem():
+        sys.exit(f"train_gpt2.py: error: {problem}")
     if {"-h", "--help"} & set(argv):
         print(config_help())
         sys.exit(0)

@@ -203,8 +203,12 @@ def test_corrupt_document_boundaries(dataset):
 
 def test_missing_files(dataset, tmp_path):
     os.remove(dataset + ".bin")
-    with pytest.raises(FileNotFoundError, match=r"data_text_document\.bin: no such file"):
+    with pytest.raises(FileNotFoundError, match=r"data_text_document\.bin: no such file; write the token files with "
+                                                r"prepare_fineweb\.py"):
         IndexedDataset(dataset)
+    with pytest.raises(FileNotFoundError, match=r"nope_\*: the glob matches no \.bin/\.idx files; write the token "
+                                                r"files with prepare_fineweb\.py"):
+        resolve_blend(str(tmp_path / "nope_*"))
     with pytest.raises(FileNotFoundError, match=r"nope\.bin\.idx: no such file \(give the prefix, without"):
         IndexedDataset(str(tmp_path / "nope.bin"))
 

@@ -854,6 +854,15 @@ def test_compiled_head_with_inductor_equals_eager_fp32_and_bf16():
     assert abs(results[True, "bf16"][0].item() / results[False, "bf16"][0].item() - 1) < 0.01
 
 
+def test_a_runs_ckpt_directory_given_as_a_model_says_what_works(tmp_path):
+    """--init_from=out_demo/ckpt (one level off): the error says a run's out_dir or ckpt/step_N is read."""
+    (tmp_path / "ckpt" / "step_00000002").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"ckpt/config\.json: missing; a GPT-2 model directory needs config\.json "
+                                                r"\(a train_gpt2\.py run is read from its out_dir or from one "
+                                                r"checkpoint, out_dir/ckpt/step_N\)"):
+        model_module.resolve_pretrained(str(tmp_path / "ckpt"))
+
+
 # ----------------------------------------------------------------------------- FLOPs per token
 
 def test_flops_per_token_llmc_convention_by_hand():

@@ -473,6 +473,17 @@ def test_disk_space_is_checked_before_the_download(tmp_path, monkeypatch):
     assert len(downloads) == 2
 
 
+def test_offline_the_space_check_says_it_counts_the_outputs_only(tmp_path, monkeypatch, capsys):
+    def offline(*args, **kwargs):
+        raise OSError("cannot reach the hub")
+    monkeypatch.setattr(prepare_fineweb.huggingface_hub.HfApi, "list_repo_tree", offline)
+    prepare_fineweb.check_disk_space("fineweb-edu", "10BT", str(tmp_path / "hub"), str(tmp_path / "out"))
+    printed = capsys.readouterr().out
+    assert "could not list HuggingFaceFW/fineweb-edu sample/10BT on the hub (cannot reach the hub); checking the " \
+           "space for the outputs only" in printed
+    assert "GB of parquet" not in printed and "GB of outputs to write in" in printed
+
+
 def test_empty_inputs_give_no_output_and_a_warning(tmp_path, tiktoken_gpt2):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

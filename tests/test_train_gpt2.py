@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -140,17 +141,193 @@ def test_the_seed_recipes_yaml_maps_to_our_keys_and_overrides_still_win(tmp_path
     assert len(said) == 1 and "--global_batch_size=512" in said[0] and "dataloader.collate_fn" in said[0]
 
 
+TODAYS_RECIPE = os.path.join(ROOT, "tests", "fixtures", "megatron_pretrain_gpt2.yaml")
+
+
+def todays_recipe(tmp_path, data, *edits):
+    """The fixture (today's AutoModel recipe, sizes edited) with the byte dataset's paths and tmp_path's out_dir."""
+    text = open(TODAYS_RECIPE).read()
+    for old, new in [("fineweb_edu/megatron_gpt2/processed_data_*_text_document*", data),
+                     ("fineweb_edu/megatron_gpt2/mapping_dir", str(tmp_path / "index_cache")),
+                     ("checkpoint_dir: checkpoints/", f"checkpoint_dir: {tmp_path / 'out'}"), *edits]:
+        assert old in text, old
+        text = text.replace(old, new)
+    recipe = tmp_path / "megatron_pretrain_gpt2.yaml"
+    recipe.write_text(text)
+    return str(recipe)
+
+
+def test_todays_automodel_recipe_trains_as_written_and_says_every_key(data, tmp_path):
+    """recipe:, FusedAdam's options and model.config's sizes are accepted; the run's model has model.config's sizes."""
+    result = script(todays_recipe(tmp_path, data), "--device=cpu", "--compile=False")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    said = next(line for line in result.stdout.splitlines() if "AutoModel recipe read as" in line)
+    for text in ("--n_layer=2", "--n_embd=32", "--vocab_size=512", "--padded_vocab_size=512", "--beta2=0.95",
+                 "--dist_timeout_s=60", "--val_tokens=512", "recipe='TrainFinetuneRecipeForNextTokenPrediction'",
+                 "optimizer.adam_w_mode=True", "optimizer.bias_correction=True", "optimizer.master_weights=True",
+                 "optimizer.store_param_remainders=True", "optimizer.exp_avg_dtype='torch.float32'",
+                 "optimizer.exp_avg_sq_dtype='torch.float32'", "dataloader.dataloader_type='single'",
+                 "distributed.strategy='fsdp2'", "model.config.n_positions", "dropout 0.1"):
+        assert text in said, text
+    hf_config = json.loads((tmp_path / "out" / "hf" / "config.json").read_text())
+    assert (hf_config["n_layer"], hf_config["n_embd"], hf_config["n_head"], hf_config["n_positions"],
+            hf_config["vocab_size"]) == (2, 32, 2, 32, 512)
+    assert sorted(metrics(tmp_path / "out", "val_loss")) == [0, 5, 10]
+
+
 @pytest.mark.parametrize("edit, named", [
     (("tp_size: 1", "tp_size: 2"), "distributed.tp_size=2"),
     (("lr_decay_style: cosine", "lr_decay_style: WSD"), "lr_scheduler.lr_decay_style='WSD'"),
-    (("  num_val_samples: 1024", "  num_val_samples: 1024\n  paths_extra: 1"), "validation_dataset.paths_extra=1"),
+    (("  num_val_samples: 16", "  num_val_samples: 16\n  paths_extra: 1"), "validation_dataset.paths_extra=1"),
+    (("recipe: TrainFinetuneRecipeForNextTokenPrediction", "recipe: KnowledgeDistillationRecipeForNextTokenPrediction"),
+     "recipe='KnowledgeDistillationRecipeForNextTokenPrediction'"),
+    (("adam_w_mode: true", "adam_w_mode: false"), "optimizer.adam_w_mode=False"),
+    (("bias_correction: true", "bias_correction: false"), "optimizer.bias_correction=False"),
+    (("master_weights: true", "master_weights: false"), "optimizer.master_weights=False"),
+    (("exp_avg_dtype: torch.float32", "exp_avg_dtype: torch.bfloat16"), "optimizer.exp_avg_dtype='torch.bfloat16'"),
+    (("exp_avg_sq_dtype: torch.float32", "exp_avg_sq_dtype: torch.uint8"), "optimizer.exp_avg_sq_dtype='torch.uint8'"),
+    (("fused_adam.FusedAdam", "sgd.SGD"), "optimizer._target_='transformer_engine.pytorch.optimizers.sgd.SGD'"),
+    (('dataloader_type: "single"', 'dataloader_type: "cyclic"'), "dataloader.dataloader_type='cyclic'"),
+    (("strategy: fsdp2", "strategy: megatron_fsdp"), "distributed.strategy='megatron_fsdp'"),
+    (("n_positions: 32", "n_positions: 1024"), "model.config.n_positions=1024 (the model's context here is "
+                                               "dataset.seq_length, 32)"),
+    (("vocab_size: 512", "vocab_size: 512\n    resid_pdrop: 0.1"), "model.config.resid_pdrop=0.1"),
+    (("openai-community/gpt2\n    n_layer", "EleutherAI/gpt-neo-125m\n    n_layer"),
+     "model.config.pretrained_model_name_or_path='EleutherAI/gpt-neo-125m' (GPT-2 sizes known here: gpt2, "),
 ])
-def test_a_recipe_key_that_would_change_the_run_is_named_in_one_error(tmp_path, edit, named):
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.replace(*edit))
+def test_a_recipe_key_that_would_change_the_run_is_named_in_one_error(data, tmp_path, edit, named):
     with pytest.raises(ValueError, match=re.escape(named)) as error:
-        train_gpt2.load_config([str(recipe)])
-    assert "\n" not in str(error.value)
+        train_gpt2.load_config([todays_recipe(tmp_path, data, edit)])
+    assert "\n" not in str(error.value) and "not supported by train_gpt2.py" in str(error.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("betas: [0.9, 0.95]", "betas: 0.9"), "optimizer.betas must be a list of two numbers [beta1, beta2], got 0.9"),
+    (("betas: [0.9, 0.95]", "betas: [0.9, x]"), "optimizer.betas must be a list of two numbers"),
+    (("timeout_minutes: 1", "timeout_minutes: abc"), "dist_env.timeout_minutes must be a number of minutes, got 'abc'"),
+    (("num_val_samples: 16", "num_val_samples: x"), "validation_dataset.num_val_samples must be an int (validation "
+                                                    "sequences), got 'x' (str)"),
+    (("lr: 0.0006", "lr: fast"), "optimizer.lr must be float, got 'fast' (str)"),
+    (("max_steps: 10", "max_steps: 1.5"), "step_scheduler.max_steps must be int or None, got 1.5 (float)"),
+    (("n_layer: 2", "n_layer: two"), "model.config.n_layer must be int, got 'two' (str)"),
+])
+def test_a_wrong_typed_recipe_value_is_one_line_naming_file_key_and_type(data, tmp_path, edit, message):
+    recipe = todays_recipe(tmp_path, data, edit)
+    result = script(recipe, "--device=cpu")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == f"train_gpt2.py: error: {recipe}: {message}" or \
+        result.stderr.strip().startswith(f"train_gpt2.py: error: {recipe}: {message}"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_recipe_without_optimizer_values_gets_its_optimizers_defaults_and_strings_read_as_automodel(data, tmp_path):
+    """What AutoModel would run: FusedAdam's own betas, eps and weight decay where the recipe leaves them out;
+    "6e-4" is a number (AutoModel's loader reads strings with literal_eval), split stays the string as written."""
+    recipe = todays_recipe(tmp_path, data, ("  betas: [0.9, 0.95]\n", ""), ("  weight_decay: 0.1\n", ""),
+                           ("lr: 0.0006", 'lr: "6e-4"'))
+    cfg = train_gpt2.load_config([recipe])
+    assert (cfg.lr, cfg.beta1, cfg.beta2, cfg.adam_eps, cfg.weight_decay) == (6e-4, 0.9, 0.999, 1e-8, 0.0)
+    assert cfg.split == "0.90, 0.10, 0.00"
+
+
+@pytest.mark.parametrize("key, pointer", [
+    ("learning_rate", "it is --lr"), ("block_size", "it is --seq_length"), ("max_iters", "it is --max_steps"),
+    ("lr_decay_iters", "the cosine decay always ends at --max_steps"), ("warmup_iters", "it is --lr_warmup_steps"),
+    ("eval_interval", "it is --val_every_steps"), ("eval_iters", "--val_tokens = eval_iters x batch_size x block_size"),
+    ("log_interval", "--log_every_steps"), ("batch_size", "it is --local_batch_size"),
+    ("gradient_accumulation_steps", "global_batch_size / (local_batch_size x world size); set --global_batch_size = "
+                                    "gradient_accumulation_steps x batch_size"),
+    ("dropout", "the model has no dropout"), ("decay_lr", "--min_lr=<lr>"), ("dataset", "it is --data_paths"),
+])
+def test_nanogpts_config_names_point_to_ours_and_are_never_aliases(tmp_path, key, pointer):
+    for argv in ([f"--{key}=1"], [str(tmp_path / "config.py")]):
+        (tmp_path / "config.py").write_text(f"{key} = 1\n")
+        said = re.escape(f"'{key}' is nanoGPT's name; here ") + ".*" + re.escape(pointer)
+        with pytest.raises(ValueError, match=said):
+            train_gpt2.load_config(argv)
+
+
+def test_nanogpts_init_from_resume_and_wandb_names():
+    assert train_gpt2.load_config(["--min_lr=6e-5"]).min_lr == 6e-5  # the same name, the same meaning
+    with pytest.raises(ValueError, match=r"init_from='resume' is nanoGPT's; here rerunning the same command \(the same "
+                                         r"out_dir\) resumes from its newest checkpoint"):
+        train_gpt2.load_config(["--init_from=resume"])
+    with pytest.raises(ValueError, match="init_from='scratch' is nanoGPT's; here a fresh GPT-2 init is the default"):
+        train_gpt2.load_config(["--init_from=scratch"])
+    with pytest.raises(ValueError, match="unknown config key 'wandb_entity'; wandb's keys are wandb_log, "
+                                         "wandb_project, wandb_run_name"):
+        train_gpt2.load_config(["--wandb_entity=me"])
+
+
+def test_an_older_python_gets_one_line_before_any_import():
+    """TrainConfig's `str | None` is a TypeError on Python 3.9 (RHEL 9's python3): train_gpt2.py says what it needs
+    first. Checked with the interpreter told it is 3.9, and with a real 3.9 where one is installed."""
+    path = os.path.join(ROOT, "train_gpt2.py")
+    told = (f"import sys; sys.version_info = (3, 9, 18, 'final', 0); sys.argv = [{path!r}, '--help']; "
+            f"exec(compile(open({path!r}).read(), {path!r}, 'exec'), {{'__name__': '__main__'}})")
+    pythons = [[sys.executable, "-c", told]] + [[p, path, "--help"] for p in glob.glob(
+        os.path.expanduser("~/.pyenv/versions/3.9*/bin/python3.9")) + glob.glob("/usr/bin/python3.9")][:1]
+    for command in pythons:
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert (result.returncode, result.stdout) == (1, ""), result.stderr
+        assert result.stderr == "train_gpt2.py: error: Python 3.10 or newer is needed, this is Python 3.9\n"
+
+
+def test_an_older_torch_stops_at_start_in_one_line():
+    """requirements.txt's floor is MIN_TORCH, the oldest torch bench/compat.sh passes the suite on."""
+    assert train_gpt2.torch_version_problem() is None and train_gpt2.torch_version_problem("2.7.1+cu126") is None
+    assert f"torch>={train_gpt2.MIN_TORCH}\n" in open(os.path.join(ROOT, "requirements.txt")).read()
+    path = os.path.join(ROOT, "train_gpt2.py")
+    told = (f"import runpy, sys, torch; torch.__version__ = torch.torch_version.TorchVersion('2.6.0+cu124'); "
+            f"sys.argv = [{path!r}, '--help']; runpy.run_path({path!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", told], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (1, ""), result.stderr
+    assert result.stderr == f"train_gpt2.py: error: torch 2.6.0+cu124 is older than {train_gpt2.MIN_TORCH}, the " \
+        f"oldest this code is tested on; pip install 'torch>={train_gpt2.MIN_TORCH}' (or a CUDA build of it for GPUs)\n"
+
+
+def documented_commands():
+    """(file:line, world size, arguments) of each train_gpt2.py command in the code blocks of README.md and docs/*.md:
+    python (1 process) or torchrun (--nproc_per_node x --nnodes, an elastic --nnodes MIN:MAX at its MAX)."""
+    found = []
+    for path in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        in_block, pending = False, ""
+        for number, line in enumerate(open(path, encoding="utf-8"), 1):
+            if line.lstrip().startswith("```"):
+                in_block, pending = not in_block, ""
+                continue
+            pending += line.rstrip("\n")
+            if pending.endswith("\\"):  # a command continued on the next line
+                pending = pending[:-1]
+                continue
+            text, pending = pending, ""
+            for command in text.split("&&") if in_block else []:
+                words = shlex.split(command, comments=True)
+                script = next((i for i, word in enumerate(words) if word.endswith("train_gpt2.py")), None)
+                if script is None or not words[0].startswith(("python", "torchrun")) or "--help" in words:
+                    continue
+                options, launcher = {}, words[:script]
+                for i, word in enumerate(launcher):
+                    if word.startswith("--"):
+                        key, _, value = word[2:].replace("-", "_").partition("=")
+                        options[key] = value or (launcher[i + 1] if i + 1 < len(launcher) else "")
+                world = int(options.get("nproc_per_node", 1)) * int(options.get("nnodes", "1").split(":")[-1])
+                found.append((f"{os.path.relpath(path, ROOT)}:{number}", world, words[script + 1:]))
+    return found
+
+
+def test_every_train_gpt2_command_in_the_docs_passes_its_config_check_at_its_world_size(monkeypatch, capsys):
+    commands = documented_commands()
+    assert len(commands) >= 4 and any(world > 8 for _, world, _ in commands), commands  # one multi-node among them
+    monkeypatch.chdir(ROOT)
+    failures = []
+    for where, world, args in commands:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        try:
+            train_gpt2.load_config(args)
+        except (ValueError, OSError) as e:
+            failures.append(f"{where} (world size {world}): {e}")
+    assert not failures, "\n".join(failures)
 
 
 def test_val_data_paths_takes_a_blend_list():
@@ -228,9 +405,12 @@ def test_a_resume_refuses_other_data_at_the_same_path_unless_allowed(finished, t
 
 
 def test_a_shorter_max_steps_within_the_plan_is_allowed_and_its_schedule_logged(finished, tmp_path, capsys):
-    copy, _, args = rerun(finished, tmp_path, max_steps=15)
+    copy, _, args = rerun(finished, tmp_path, max_steps=15, lr=1e-3)
     assert train_gpt2.main(args) == 0
-    assert "max_steps 20 -> 15: the cosine decay to min_lr 0 now ends at step 15" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "max_steps 20 -> 15: the cosine decay to min_lr 0 now ends at step 15" in said
+    lr = train_gpt2.lr_at(10, train_gpt2.load_config(args))
+    assert f"lr 0.003 -> 0.001: the config wins from step 10 on; lr at step 10 is {lr:.3e}" in said
     assert 15 in metrics(copy, "val_loss") and (copy / "hf").is_dir()  # the final evaluation and export at step 15
 
 
@@ -244,6 +424,11 @@ def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tm
     assert "this run is already complete" in capsys.readouterr().out
     assert {name: (copy / name).read_bytes() for name in before} == before
     assert train_gpt2.main(args + ["--eval_only=True", "--max_steps=5"]) == 0  # evaluation needs no step budget
+    capsys.readouterr()
+    assert train_gpt2.main(args + ["--seq_length=16", "--lr=1e-3"]) == 0  # what a finished run does not take is named
+    said = capsys.readouterr().out
+    assert "this run is already complete" in said and "the config differs from the run's (seq_length 32 -> 16; " \
+        "lr 0.003 -> 0.001) and a finished run takes no change" in said
 
 
 def test_eval_only_on_a_finished_run_leaves_its_records_and_writes_its_own(finished, tmp_path, capsys):
@@ -686,6 +871,19 @@ def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(mon
     assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
 
 
+@pytest.mark.parametrize("kind", ["ours eager", "ours compiled"])
+def test_memory_plans_loss_head_is_within_30_percent_of_the_measured_head(kind):
+    """The head alone (bench/bench_loss_head.py's measurement: peak RSS of a fresh process above its baseline) for
+    1,024 rows of n_embd 768 over 50,304 in fp32, 512-row chunks on a CPU: compiled, no fp32 chunk beyond the buffer."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_loss_head.py"), "--child", kind,
+                             "--batch-size", "1", "--seq-len", "1024"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=900, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])[0]
+    planned = train_gpt2.loss_head_bytes(512, 50304, 768, 4, compiled=kind.endswith("compiled"))
+    assert abs(measured / planned - 1) < 0.3, (measured / 2**20, planned / 2**20)
+
+
 HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
 T = 32
 
@@ -866,6 +1064,9 @@ def test_hf_export_holds_the_gpt2_tokenizer_and_transformers_pipeline_extends_a_
     from transformers import AutoTokenizer, GenerationConfig, pipeline
     assert GenerationConfig.from_pretrained(gpt2_vocab_run).eos_token_id == EOT_ID
     tokenizer = AutoTokenizer.from_pretrained(gpt2_vocab_run)
+    n_positions = json.loads((gpt2_vocab_run / "config.json").read_text())["n_positions"]
+    assert tokenizer.model_max_length == n_positions == 32  # readers truncate to the model's context, not GPT-2's 1024
+    assert len(tokenizer("ROMEO: " * 100, truncation=True)["input_ids"]) == n_positions
     for text in ("ROMEO:\nBut, soft! what light", "naïve café  \t<|endoftext|> 日本語"):
         assert tokenizer(text)["input_ids"] == gpt2_encoding().encode(text, allowed_special="all")
     generator = pipeline("text-generation", model=str(gpt2_vocab_run), device="cpu")

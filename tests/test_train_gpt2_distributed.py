@@ -468,11 +468,13 @@ def test_max_steps_none_trains_one_epoch_and_more_than_an_epoch_blends_by_tokens
 
 def test_mfu_peak_table(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names.pop(0))
-    names = ["NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA B200",
-             "NVIDIA GeForce RTX 4090"]
-    peaks = [train_gpt2.peak_flops(torch.device("cuda", 0)) for _ in range(6)]
-    assert peaks == [756e12, 989e12, 989e12, 312e12, 2250e12, None]
+    names = ["NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 NVL",
+             "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "NVIDIA GeForce RTX 4090"]
+    peaks = [train_gpt2.peak_flops(torch.device("cuda", 0)) for _ in range(8)]
+    assert peaks == [756e12, 989e12, 989e12, 835e12, 835e12, 312e12, 2250e12, None]
     assert train_gpt2.peak_flops(torch.device("cpu")) is None
+    keys = [key for key, _ in train_gpt2.PEAK_BF16_TFLOPS]  # a name never shadows a more specific one after it
+    assert not [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a in b]
 
 
 def test_demo_end_to_end(tmp_path):
