@@ -550,10 +550,10 @@ if kind == "bytes" and rank == args[0]:  # once args[2] bytes of this rank's sha
     train_gpt2.dcp.save, fs._write_item = save, write_item
 if kind == "sigterm_at_eval":  # every rank signalled at the start of the evaluation at step args[0]
     real_evaluate = train_gpt2.Evaluator.__call__
-    def evaluate(self, model, step, stop):
+    def evaluate(self, model, step, stop, *rest):
         if step == args[0]:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_evaluate(self, model, step, stop)
+        return real_evaluate(self, model, step, stop, *rest)
     train_gpt2.Evaluator.__call__ = evaluate
 if kind == "live_init_from" and rank == 0:  # init_from's first checkpoint deleted by its live run (ckpt_keep=1) as
     real_load_weights, tried = train_gpt2.load_weights, []  # it writes a newer one, before this rank reads it
