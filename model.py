@@ -90,26 +90,21 @@ LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=512)
 
 
 def _chunk_loss(logits, targets, vocab_size, count, with_grads):
-    """The summed fp32 loss of one chunk's logits (rows, padded vocab); with_grads writes their gradient over them."""
+    """The summed fp32 loss of one chunk's logits (rows, padded vocab); with_grads writes their gradient over them.
+    Written for torch.compile (it only ever runs traced): each step below fuses into one pass over the chunk."""
     out, logits = logits, logits.float()
     logits[:, vocab_size:] = float("-inf")  # padded rows of the weight: no softmax mass, loss or gradient
     lse = torch.logsumexp(logits, dim=-1)
     valid = targets != -100  # F.cross_entropy's default ignore_index
     safe = torch.where(valid, targets, 0)[:, None]
-    compiling = torch.compiler.is_compiling()
-    if compiling:  # the target logit as a masked sum, a reduction beside the logsumexp's over the same rows
-        one_hot = torch.arange(logits.size(1), device=logits.device) == safe
-        target_logits = torch.where(one_hot, logits, 0.0).sum(1)
-    else:  # eager: read the target entries only
-        target_logits = logits.gather(1, safe).squeeze(1)
-    # (a gather compiled beside the in-place gradient below reads the gradient on torch 2.6 and 2.7: a wrong loss)
+    # the target logit as a masked sum, a reduction beside the logsumexp's over the same rows (a gather compiled
+    # beside the in-place gradient below reads the gradient on torch 2.6 and 2.7: a wrong loss)
+    one_hot = torch.arange(logits.size(1), device=logits.device) == safe
+    target_logits = torch.where(one_hot, logits, 0.0).sum(1)
     loss = ((lse - target_logits) * valid).sum()
     if with_grads:
         probs = logits.sub_(lse[:, None]).exp_()  # in place: in fp32 the very buffer of the logits
-        if compiling:  # the one-hot fuses into the one pass that writes the gradient
-            probs = probs - one_hot.to(probs.dtype)
-        else:  # eager: touch the target entries only
-            probs.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=probs.dtype))
+        probs = probs - one_hot.to(probs.dtype)  # the one-hot fuses into the one pass that writes the gradient
         out.copy_(probs.mul_((valid / count)[:, None]))  # a no-op where probs already is `out`
     return loss
 
