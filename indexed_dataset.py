@@ -58,6 +58,15 @@ MISSING_DATA = "write the token files with prepare_fineweb.py (see its --help), 
 
 
 # The .bin/.idx files
+def file_sha256(path):
+    """The SHA-256 of a file, read in blocks rather than mapped, so its pages stay out of this process."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 class IndexedDataset:
     """Memory-mapped `<path_prefix>.bin` + `.idx`: `ds[i]` is a read-only view of sequence i; opening checks them."""
 
@@ -128,8 +137,7 @@ class IndexedDataset:
     @functools.cached_property
     def fingerprint(self):
         """What changes when the data is replaced: a hash of the index and the .bin's size (the tokens are not read)."""
-        with open(self.path_prefix + ".idx", "rb") as f:  # read, not mapped: the pages stay out of this process
-            return f"{hashlib.file_digest(f, 'sha256').hexdigest()[:32]}-{self.sizes['.bin']}"
+        return f"{file_sha256(self.path_prefix + '.idx')[:32]}-{self.sizes['.bin']}"
 
     def version(self):
         """What tells one version of the files from another without reading them, as make and git judge a file

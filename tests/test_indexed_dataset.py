@@ -2,7 +2,6 @@
 arrays, the same samples, the same order); bad input named in one line, the index cache, the validation views, the
 sampler, the source of a sample, data fingerprints and the info / verify command line."""
 import glob
-import hashlib
 import json
 import os
 import re
@@ -960,8 +959,8 @@ def test_a_warm_start_hashes_no_index(tmp_path, monkeypatch, capfd):
     cache = str(tmp_path / "cache")
     first = build(prefixes, cache, sizes=(1000, 50, 10))
     hashed = []
-    real_digest = hashlib.file_digest
-    monkeypatch.setattr(hashlib, "file_digest", lambda f, name: hashed.append(f.name) or real_digest(f, name))
+    real_file_sha256 = indexed_dataset.file_sha256
+    monkeypatch.setattr(indexed_dataset, "file_sha256", lambda path: hashed.append(path) or real_file_sha256(path))
     capfd.readouterr()
     second = build(prefixes, cache, sizes=(1000, 50, 10))
     assert hashed == [] and capfd.readouterr().err == ""
