@@ -427,7 +427,7 @@ def test_config_errors_name_the_key(tmp_path, data):
         with pytest.raises(ValueError, match=message):
             train_gpt2.load_config([arg])
     config.write_text("learning_rate = 1e-3\n")
-    with pytest.raises(ValueError, match=r"config\.py: unknown config key 'learning_rate'"):
+    with pytest.raises(ValueError, match=r"config\.py: 'learning_rate' is nanoGPT's name; here it is --lr"):
         train_gpt2.load_config([str(config)])
     with pytest.raises(FileNotFoundError, match="missing.py"):
         train_gpt2.load_config([str(tmp_path / "missing.py")])
