@@ -275,7 +275,7 @@ def test_an_older_python_gets_one_line_before_any_import():
 
 def test_an_older_torch_stops_at_start_in_one_line():
     """requirements.txt's floor is MIN_TORCH, the oldest torch bench/compat.sh passes the suite on."""
-    assert train_gpt2.torch_version_problem() is None and train_gpt2.torch_version_problem("2.7.1+cu126") is None
+    assert train_gpt2.torch_version_problem() is None and train_gpt2.torch_version_problem("2.9.1+cu128") is None
     assert f"torch>={train_gpt2.MIN_TORCH}\n" in open(os.path.join(ROOT, "requirements.txt")).read()
     path = os.path.join(ROOT, "train_gpt2.py")
     told = (f"import runpy, sys, torch; torch.__version__ = torch.torch_version.TorchVersion('2.6.0+cu124'); "
