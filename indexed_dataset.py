@@ -406,10 +406,11 @@ def blending_indices(weights, size=None):
         dataset_index[todo], dataset_sample_index[todo] = picks, samples
 
 
-def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17):
+def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17, flush=256):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r starting at step first_steps[r]): the datasets
     picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go `block` (datasets x
-    rows) values at a time, which stay in the CPU's cache."""
+    rows) values at a time, which stay in the CPU's cache; each step's picks go to a contiguous scratch row, copied
+    out every `flush` steps (a column write per step costs more than the step's arithmetic)."""
     num_datasets, steps = len(weights), picks.shape[1]
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
     column = weights[:, None]
@@ -417,12 +418,19 @@ def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17):
     rows = max(8, block // num_datasets)
     for first in range(0, len(draws), rows):
         last = min(first + rows, len(draws))
+        n = last - first
         counts = np.ascontiguousarray(draws[first:last].T, dtype=np.float64)  # (datasets, rows): reduce on axis 0
-        flat_counts, columns = counts.reshape(-1), np.arange(last - first)
+        flat_counts = counts.reshape(-1)
+        # row r's pick d is flat_counts[d * n + r], and d = num_datasets - (its value in first_on_ties)
+        flat_end = num_datasets * n + np.arange(n)
         error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
-        steps_now, x = first_steps[first:last].astype(np.float64), np.empty(last - first)
+        row_steps, x, next_sample = first_steps[first:last].astype(np.float64), np.empty(n), np.empty(n)
+        where = np.empty(n, np.int64)
+        tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
         for t in range(steps):
-            np.maximum(steps_now + t, 1.0, out=x)
+            np.add(row_steps, t, out=x)
+            if t == 0:
+                np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
             np.multiply(column, x, out=error)
             np.subtract(error, counts, out=error)
             if quotas is not None:
@@ -430,11 +438,16 @@ def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17):
             # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
             np.equal(error, error.max(axis=0), out=is_max)
             np.multiply(is_max, first_on_ties, out=ties)
-            pick = num_datasets - ties.max(axis=0).astype(np.int64)
-            where = pick * len(columns) + columns
-            picks[first:last, t] = pick
-            samples[first:last, t] = flat_counts[where]
-            flat_counts[where] += 1
+            top = ties.max(axis=0, out=tie_values[t % flush])
+            np.multiply(top, np.int64(n), out=where)
+            np.subtract(flat_end, where, out=where)
+            sample = np.take(flat_counts, where, out=drawn[t % flush])
+            np.add(sample, 1.0, out=next_sample)
+            flat_counts[where] = next_sample
+            if t % flush == flush - 1 or t == steps - 1:
+                done = t % flush + 1
+                picks[first:last, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
+                samples[first:last, t + 1 - done:t + 1] = drawn[:done].T
         end_draws[first:last] = counts.T
     return end_draws
 
