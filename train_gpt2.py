@@ -1305,9 +1305,20 @@ class StepLog:
                      consumed_samples=(step + 1) * self.cfg.global_batch_size)
 
 
+class Training(typing.NamedTuple):
+    """What setup() hands the training loop."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    start_step: int
+    train_data: object  # Megatron's GPTDataset or BlendedDataset samples (indexed_dataset)
+    evaluate: Evaluator
+    step_log: StepLog
+    data: dict  # data_state(train_data): what each checkpoint records of the data
+
+
 def setup(cfg, world_size, device, log, stop):
-    """out_dir, data, model, optimizer, resume, evaluation, in that order; an exit status when nothing is left to
-    train (eval_only, or a run already complete)."""
+    """out_dir, data, model, optimizer, resume, evaluation, in that order: a Training, or an exit status when nothing
+    is left to train (eval_only, or a run already complete)."""
     resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir, cfg.eval_only))
     if resume_path and not cfg.eval_only and on_rank0(lambda: already_complete(cfg, resume_path)):
         saved = on_rank0(lambda: read_train_state(resume_path)["config"])
@@ -1344,7 +1355,7 @@ def setup(cfg, world_size, device, log, stop):
         log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the config to "
             f"eval_config.json); the run's own logs are left as they are")
         return 0 if evaluate(model, step, stop) else 128 + (stop.signal or signal.SIGTERM)
-    return model, optimizer, step, train_data, evaluate, step_log, data
+    return Training(model, optimizer, step, train_data, evaluate, step_log, data)
 
 
 def evaluations_logged(out_dir, step):
@@ -1365,10 +1376,10 @@ def evaluations_logged(out_dir, step):
 
 
 def train(cfg, rank, world_size, device, log, stop):
-    state = setup(cfg, world_size, device, log, stop)
-    if isinstance(state, int):
-        return state
-    model, optimizer, start_step, train_data, evaluate, step_log, data = state
+    training = setup(cfg, world_size, device, log, stop)
+    if not isinstance(training, Training):
+        return training  # an exit status: nothing left to train
+    model, optimizer, start_step, train_data, evaluate, step_log, data = training
     # a restart at a step whose evaluation was logged (a stop during HellaSwag, a raised max_steps) logs it once
     logged = on_rank0(lambda: evaluations_logged(cfg.out_dir, start_step))
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
