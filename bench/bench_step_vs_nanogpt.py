@@ -10,7 +10,9 @@ and bf16 autocast; the median of the timed steps is compared.
 which reports its peak RSS growth over a baseline taken after the imports and the model and optimizer are built,
 before the first step (so it holds the gradients, AdamW's state, the activations and, compiled, the compiler's own
 memory), and separately the peak growth within the timed steps over the RSS after warm-up (what a steady step adds).
-The sides alternate for --rounds rounds; the medians are compared.
+The sides alternate for --rounds rounds; the medians are compared. RSS also counts freed memory glibc keeps (its
+mmap threshold rises to the largest block freed, so later blocks that size come from the heap and stay): the run
+figure moves by tens of MiB between rounds.
 
     git clone https://github.com/karpathy/nanoGPT ../nanoGPT
     python bench/bench_step_vs_nanogpt.py --nanogpt ../nanoGPT
