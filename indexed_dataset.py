@@ -419,52 +419,70 @@ def blending_indices(weights, size=None, stop=None):
         dataset_index[todo], dataset_sample_index[todo] = picks, samples
 
 
-def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17, flush=256, stop=None):
+def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, flush=256, stop=None):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r starting at step first_steps[r]): the datasets
-    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go `block` (datasets x
-    rows) values at a time, which stay in the CPU's cache; each step's picks go to a contiguous scratch row, copied
-    out every `flush` steps (a column write per step costs more than the step's arithmetic)."""
-    num_datasets, steps = len(weights), picks.shape[1]
+    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go up to `block`
+    (datasets x rows) values at a time; with enough of them, blocks run side by side in threads, one a core (numpy
+    lets go of the GIL in each step's arithmetic; small blocks would spend their time waiting for it)."""
+    num_datasets = len(weights)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, min(cores, 8, len(draws) * num_datasets // (1 << 17)))
+    rows = max(8, min(block // num_datasets, -(-len(draws) // threads)))
+    end_draws = np.empty_like(draws)
+
+    def run(first):
+        last = min(first + rows, len(draws))
+        end_draws[first:last] = _greedy_rows(weights, quotas, first_steps[first:last], draws[first:last],
+                                             picks[first:last], samples[first:last], flush, stop)
+
+    if threads == 1:
+        for first in range(0, len(draws), rows):
+            run(first)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, range(0, len(draws), rows)))  # raises a block's error
+    return end_draws
+
+
+def _greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush, stop):
+    """_greedy on one block of rows, held as (datasets, rows) so that each step reduces over axis 0; each step's
+    picks go to a contiguous scratch row, copied out every `flush` steps (a column write per step costs more than
+    the step's arithmetic)."""
+    num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
     column = weights[:, None]
-    end_draws = np.empty_like(draws)
-    rows = max(8, block // num_datasets)
-    for first in range(0, len(draws), rows):
-        last = min(first + rows, len(draws))
-        n = last - first
-        counts = np.ascontiguousarray(draws[first:last].T, dtype=np.float64)  # (datasets, rows): reduce on axis 0
-        flat_counts = counts.reshape(-1)
-        # row r's pick d is flat_counts[d * n + r], and d = num_datasets - (its value in first_on_ties)
-        flat_end = num_datasets * n + np.arange(n)
-        error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
-        row_steps, x, next_sample = first_steps[first:last].astype(np.float64), np.empty(n), np.empty(n)
-        where = np.empty(n, np.int64)
-        tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
-        for t in range(steps):
-            np.add(row_steps, t, out=x)
-            if t == 0:
-                np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
-            np.multiply(column, x, out=error)
-            np.subtract(error, counts, out=error)
-            if quotas is not None:
-                np.putmask(error, counts >= quotas[:, None], -np.inf)
-            # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
-            np.equal(error, error.max(axis=0), out=is_max)
-            np.multiply(is_max, first_on_ties, out=ties)
-            top = ties.max(axis=0, out=tie_values[t % flush])
-            np.multiply(top, np.int64(n), out=where)
-            np.subtract(flat_end, where, out=where)
-            sample = np.take(flat_counts, where, out=drawn[t % flush])
-            np.add(sample, 1.0, out=next_sample)
-            flat_counts[where] = next_sample
-            if t % flush == flush - 1 or t == steps - 1:
-                if stop is not None and stop.is_set():
-                    raise BuildStopped("the build this blend was part of failed")
-                done = t % flush + 1
-                picks[first:last, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
-                samples[first:last, t + 1 - done:t + 1] = drawn[:done].T
-        end_draws[first:last] = counts.T
-    return end_draws
+    counts = np.ascontiguousarray(draws.T, dtype=np.float64)
+    flat_counts = counts.reshape(-1)
+    # row r's pick d is flat_counts[d * n + r], and d = num_datasets - (its value in first_on_ties)
+    flat_end = num_datasets * n + np.arange(n)
+    error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
+    row_steps, x, next_sample = first_steps.astype(np.float64), np.empty(n), np.empty(n)
+    where = np.empty(n, np.int64)
+    tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
+    for t in range(steps):
+        np.add(row_steps, t, out=x)
+        if t == 0:
+            np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
+        np.multiply(column, x, out=error)
+        np.subtract(error, counts, out=error)
+        if quotas is not None:
+            np.putmask(error, counts >= quotas[:, None], -np.inf)
+        # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+        np.equal(error, error.max(axis=0), out=is_max)
+        np.multiply(is_max, first_on_ties, out=ties)
+        top = ties.max(axis=0, out=tie_values[t % flush])
+        np.multiply(top, np.int64(n), out=where)
+        np.subtract(flat_end, where, out=where)
+        sample = np.take(flat_counts, where, out=drawn[t % flush])
+        np.add(sample, 1.0, out=next_sample)
+        flat_counts[where] = next_sample
+        if t % flush == flush - 1 or t == steps - 1:
+            if stop is not None and stop.is_set():
+                raise BuildStopped("the build this blend was part of failed")
+            done = t % flush + 1
+            picks[:, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
+            samples[:, t + 1 - done:t + 1] = drawn[:done].T
+    return counts.T
 
 
 class CacheWrites:
