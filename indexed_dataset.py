@@ -5,7 +5,7 @@ The .idx (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 |
 boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files."""
 import argparse
 import concurrent.futures
-import functools
+import ctypes
 import glob
 import hashlib
 import itertools
@@ -15,6 +15,7 @@ import os
 import re
 import struct
 import sys
+import threading
 import time
 from array import array
 
@@ -79,6 +80,7 @@ class IndexedDataset:
                     f"; {MISSING_DATA}"
                 raise FileNotFoundError(f"{path}: no such file{hint}")
         self.sizes = {suffix: os.path.getsize(self.path_prefix + suffix) for suffix in (".bin", ".idx")}  # changed()
+        self._fingerprint = None
         bin_size, idx_size = self.sizes.values()
         with open(idx_path, "rb") as f:
             header = f.read(HEADER.size)
@@ -134,10 +136,17 @@ class IndexedDataset:
     def num_tokens(self):
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
-    @functools.cached_property
+    @property
     def fingerprint(self):
-        """What changes when the data is replaced: a hash of the index and the .bin's size (the tokens are not read)."""
-        return f"{file_sha256(self.path_prefix + '.idx')[:32]}-{self.sizes['.bin']}"
+        """What changes when the data is replaced: a hash of the index and the .bin's size (the tokens are not read).
+        Kept once known; not a functools.cached_property, whose lock (Python < 3.12) lets one instance at a time hash."""
+        if self._fingerprint is None:
+            self._fingerprint = f"{file_sha256(self.path_prefix + '.idx')[:32]}-{self.sizes['.bin']}"
+        return self._fingerprint
+
+    @fingerprint.setter
+    def fingerprint(self, value):
+        self._fingerprint = value
 
     def version(self):
         """What tells one version of the files from another without reading them, as make and git judge a file
@@ -351,6 +360,7 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     sizes = np.array(sequence_lengths[begin:end], dtype=np.int32)[document_index - begin]  # aligned: gathers faster
     starts = np.zeros(len(sizes), dtype=np.int64)
     np.cumsum(sizes[:-1], dtype=np.int64, out=starts[1:])
+    del sizes  # before the sample index is made
     first_rows = starts + (seq_length - extra)
     first_rows //= seq_length
     int32_fits = max(len(document_index), int(sequence_lengths.max())) <= np.iinfo(np.int32).max
@@ -370,10 +380,15 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
-def blending_indices(weights, size=None):
+class BuildStopped(Exception):
+    """A blend's index build ended early because the build it was part of failed (the error worth reading)."""
+
+
+def blending_indices(weights, size=None, stop=None):
     """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with `size`, step s draws the
     dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, in float64); without, `weights` are counts.
-    Chunks of the greedy run side by side from a guess, each rerun from where the one before ended until exact."""
+    Chunks of the greedy run side by side from a guess, each rerun from where the one before ended until exact.
+    `stop`: a threading.Event that, once set, ends the build (BuildStopped) within a fraction of a second."""
     if size is None:
         quotas = np.asarray(weights, dtype=np.int64)
         size, weights = int(quotas.sum()), quotas / float(quotas.sum())
@@ -391,65 +406,85 @@ def blending_indices(weights, size=None):
         np.minimum(guess, quotas, out=guess)
     start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
     warm_up = np.empty((len(guess), WARM_UP), np.int16), np.empty((len(guess), WARM_UP), np.int64)
-    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, *warm_up)
+    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, *warm_up, stop=stop)
     del guess, warm_up
     dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
     dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
-    end_draws = _greedy(weights, quotas, first_steps, start_draws, dataset_index, dataset_sample_index)
+    end_draws = _greedy(weights, quotas, first_steps, start_draws, dataset_index, dataset_sample_index, stop=stop)
     while True:  # a chunk that did not start where the one before ended is run again from there
         todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
         if not todo.size:
             return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
         start_draws[todo] = end_draws[todo - 1]
         picks, samples = dataset_index[todo], dataset_sample_index[todo]
-        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples)
+        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples, stop=stop)
         dataset_index[todo], dataset_sample_index[todo] = picks, samples
 
 
-def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 17, flush=256):
+def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, flush=64, stop=None):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r starting at step first_steps[r]): the datasets
-    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go `block` (datasets x
-    rows) values at a time, which stay in the CPU's cache; each step's picks go to a contiguous scratch row, copied
-    out every `flush` steps (a column write per step costs more than the step's arithmetic)."""
-    num_datasets, steps = len(weights), picks.shape[1]
+    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go up to `block`
+    (datasets x rows) values at a time; with enough of them, blocks run side by side in threads, one a core (numpy
+    lets go of the GIL in each step's arithmetic; small blocks would spend their time waiting for it)."""
+    num_datasets = len(weights)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, min(cores, 8, len(draws) * num_datasets // (1 << 17)))
+    rows = max(8, min(block // num_datasets, -(-len(draws) // threads)))
+    end_draws = np.empty_like(draws)
+
+    def run(first):
+        last = min(first + rows, len(draws))
+        end_draws[first:last] = _greedy_rows(weights, quotas, first_steps[first:last], draws[first:last],
+                                             picks[first:last], samples[first:last], flush, stop)
+
+    if threads == 1:
+        for first in range(0, len(draws), rows):
+            run(first)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, range(0, len(draws), rows)))  # raises a block's error
+    return end_draws
+
+
+def _greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush, stop):
+    """_greedy on one block of rows, held as (datasets, rows) so that each step reduces over axis 0; each step's
+    picks go to a contiguous scratch row, copied out every `flush` steps (a column write per step costs more than
+    the step's arithmetic)."""
+    num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
     column = weights[:, None]
-    end_draws = np.empty_like(draws)
-    rows = max(8, block // num_datasets)
-    for first in range(0, len(draws), rows):
-        last = min(first + rows, len(draws))
-        n = last - first
-        counts = np.ascontiguousarray(draws[first:last].T, dtype=np.float64)  # (datasets, rows): reduce on axis 0
-        flat_counts = counts.reshape(-1)
-        # row r's pick d is flat_counts[d * n + r], and d = num_datasets - (its value in first_on_ties)
-        flat_end = num_datasets * n + np.arange(n)
-        error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
-        row_steps, x, next_sample = first_steps[first:last].astype(np.float64), np.empty(n), np.empty(n)
-        where = np.empty(n, np.int64)
-        tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
-        for t in range(steps):
-            np.add(row_steps, t, out=x)
-            if t == 0:
-                np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
-            np.multiply(column, x, out=error)
-            np.subtract(error, counts, out=error)
-            if quotas is not None:
-                np.putmask(error, counts >= quotas[:, None], -np.inf)
-            # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
-            np.equal(error, error.max(axis=0), out=is_max)
-            np.multiply(is_max, first_on_ties, out=ties)
-            top = ties.max(axis=0, out=tie_values[t % flush])
-            np.multiply(top, np.int64(n), out=where)
-            np.subtract(flat_end, where, out=where)
-            sample = np.take(flat_counts, where, out=drawn[t % flush])
-            np.add(sample, 1.0, out=next_sample)
-            flat_counts[where] = next_sample
-            if t % flush == flush - 1 or t == steps - 1:
-                done = t % flush + 1
-                picks[first:last, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
-                samples[first:last, t + 1 - done:t + 1] = drawn[:done].T
-        end_draws[first:last] = counts.T
-    return end_draws
+    counts = np.ascontiguousarray(draws.T, dtype=np.float64)
+    flat_counts = counts.reshape(-1)
+    # row r's pick d is flat_counts[d * n + r], and d = num_datasets - (its value in first_on_ties)
+    flat_end = num_datasets * n + np.arange(n)
+    error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
+    row_steps, x, next_sample = first_steps.astype(np.float64), np.empty(n), np.empty(n)
+    where = np.empty(n, np.int64)
+    tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
+    for t in range(steps):
+        np.add(row_steps, t, out=x)
+        if t == 0:
+            np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
+        np.multiply(column, x, out=error)
+        np.subtract(error, counts, out=error)
+        if quotas is not None:
+            np.putmask(error, counts >= quotas[:, None], -np.inf)
+        # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+        np.equal(error, error.max(axis=0), out=is_max)
+        np.multiply(is_max, first_on_ties, out=ties)
+        top = ties.max(axis=0, out=tie_values[t % flush])
+        np.multiply(top, np.int64(n), out=where)
+        np.subtract(flat_end, where, out=where)
+        sample = np.take(flat_counts, where, out=drawn[t % flush])
+        np.add(sample, 1.0, out=next_sample)
+        flat_counts[where] = next_sample
+        if t % flush == flush - 1 or t == steps - 1:
+            if stop is not None and stop.is_set():
+                raise BuildStopped("the build this blend was part of failed")
+            done = t % flush + 1
+            picks[:, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
+            samples[:, t + 1 - done:t + 1] = drawn[:done].T
+    return counts.T
 
 
 class CacheWrites:
@@ -516,17 +551,16 @@ def cached(cache_dir, name, key, build):
 
 
 def check_once(dataset, cache_dir, racy_seconds=2.0):
-    """Check `dataset`'s index and learn its fingerprint once per version of its files: `cache_dir` keeps a record
-    `{hash}-IndexedDataset-checked.json` of the version (sizes, times, inode) with its fingerprint, so a warm start
-    hashes nothing. A record made within `racy_seconds` of a file's last change might miss a rewrite in the same
-    clock tick (git's "racy clean" files): its fingerprint is hashed again, and the index checked only if it differs."""
+    """Learn `dataset`'s fingerprint, and return the index check still owed (a function), or None when a record
+    vouches for these files. `cache_dir` keeps a record `{hash}-IndexedDataset-checked.json` of each version of the
+    files (sizes, times, inode) with its fingerprint, so a warm start hashes and checks nothing. A record made within
+    `racy_seconds` of a file's last change might miss a rewrite in the same clock tick (git's "racy clean" files):
+    its fingerprint is hashed again, and the index checked only if it differs. The fingerprint keys the cache, so
+    the build waits for it; the check reads the index again and can run beside the build."""
     version = dataset.version()
-    if cache_dir is None:
-        dataset.check()
-        return
     key = {"format": CACHE_FORMAT, "class": "IndexCheck", "version": version}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    path = os.path.join(cache_dir, f"{digest}-IndexedDataset-checked.json")
+    path = None if cache_dir is None else os.path.join(cache_dir, f"{digest}-IndexedDataset-checked.json")
     try:
         with open(path) as f:
             record = json.load(f)
@@ -534,17 +568,21 @@ def check_once(dataset, cache_dir, racy_seconds=2.0):
             newest_change = max(max(times[1:3]) for times in version["files"]) / 1e9
             if record["written"] - newest_change > racy_seconds or dataset.fingerprint == record["fingerprint"]:
                 dataset.fingerprint = record["fingerprint"]  # what the hash of these very files gave
-                return
-    except (OSError, ValueError, KeyError, TypeError):  # no record, or one that does not load: check again
+                return None
+    except (OSError, ValueError, KeyError, TypeError):  # no cache, no record, or one that does not load: check
         pass
-    dataset.check()
-    if node_leader():
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-        except OSError as error:
-            raise WriteError(error.errno, error.strerror, cache_dir) from None
-        record = {"key": key, "fingerprint": dataset.fingerprint, "written": time.time()}
-        CacheWrites.submit(write_json, path, record)
+    fingerprint = dataset.fingerprint  # hashed here, before the build asks for it
+
+    def check_and_record():
+        dataset.check()
+        if path is not None and node_leader():
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+            except OSError as error:
+                raise WriteError(error.errno, error.strerror, cache_dir) from None
+            CacheWrites.submit(write_json, path, {"key": key, "fingerprint": fingerprint, "written": time.time()})
+
+    return check_and_record
 
 
 def write_json(path, content):
@@ -571,6 +609,16 @@ def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
     return [beside(p, "GPTDataset") for p in prefixes], beside(prefixes[0], "BlendedDataset") if blended else None
 
 
+def release_free_memory():
+    """Hand the free pages of the C heap back to the OS (glibc's malloc_trim; elsewhere nothing). glibc keeps much
+    of what numpy frees, per thread: with a blend built in a thread beside the datasets, what one build freed would
+    stay resident through the next and raise the peak (10BT: 515 -> 472 MiB)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 # Datasets: training samples, validation windows in order, and the training sampler
 class GPTDataset:
     """megatron-core's GPTDataset of sequences [begin, end); without `add_extra_token` the last label is -100."""
@@ -592,6 +640,7 @@ class GPTDataset:
             t0 = time.perf_counter()
             arrays = gpt_indices(dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples,
                                  seed=seed, add_extra_token=add_extra_token)
+            release_free_memory()
             self.build_seconds = time.perf_counter() - t0
             return arrays
 
@@ -621,34 +670,46 @@ class GPTDataset:
         return f"{self.dataset.path_prefix}: {self.dataset.documents(sequences)} (sample {i})"
 
 
+def blend_indices(weights, size, *, split="train", cache_dir=None, names=(), stop=None):
+    """BlendedDataset's arrays (dataset_index, dataset_sample_index) for `weights` and `size` (without a size, the
+    weights are exact counts), kept in `cache_dir`; the datasets are not needed, so they can be built beside it.
+    `names`: the datasets' prefixes, for the log; `stop`: a threading.Event that ends the build (blending_indices)."""
+    if size is not None:
+        weights = normalize(weights)  # again, as megatron does
+    key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
+
+    def build():
+        t0 = time.time()
+        dataset_index, dataset_sample_index = blending_indices(weights, size, stop=stop)
+        log(f"{split} blend of {len(weights)} datasets, {len(dataset_index)} samples, built in "
+            f"{time.time() - t0:.2f}s")
+        draws = sum(np.bincount(dataset_index[k:k + (1 << 20)], minlength=len(weights))  # bounded temporaries
+                    for k in range(0, len(dataset_index), 1 << 20))
+        if len(weights) <= 8:
+            for name, weight, drawn in zip(names, normalize(weights), draws):
+                log(f"{split} blend: {name}: weight {weight:.4g}, {drawn:,} samples")
+        else:  # a few lines at any scale
+            log(f"{split} blend: weights {min(normalize(weights)):.4g} to {max(normalize(weights)):.4g}, "
+                f"{draws.min():,} to {draws.max():,} samples per dataset")
+        return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+    arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build)
+    return arrays["dataset_index"], arrays["dataset_sample_index"]
+
+
 class BlendedDataset:
     """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`."""
 
-    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None):
+    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, indices=None):
+        """`indices`: what blend_indices(weights, size, ...) returned, when it was built beside the datasets."""
         self.datasets = datasets
-        if size is not None:  # without a size, weights are exact counts
-            weights = normalize(weights)  # again, as megatron does
-        key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
+        if indices is None:
+            indices = blend_indices(weights, size, split=split, cache_dir=cache_dir,
+                                    names=[d.dataset.path_prefix for d in datasets])
+        self.dataset_index, self.dataset_sample_index = indices
         # the size only cuts the greedy draw short (without one, the draw differs): what decides the first samples
-        self.order = {"weights": weights, "exhaustive": size is None, "datasets": [d.order for d in datasets]}
-
-        def build():
-            t0 = time.time()
-            dataset_index, dataset_sample_index = blending_indices(weights, size)
-            log(f"{split} blend of {len(datasets)} datasets, {len(dataset_index)} samples, built in "
-                f"{time.time() - t0:.2f}s")
-            draws = sum(np.bincount(dataset_index[k:k + (1 << 20)], minlength=len(datasets))  # bounded temporaries
-                        for k in range(0, len(dataset_index), 1 << 20))
-            if len(datasets) <= 8:
-                for dataset, weight, drawn in zip(datasets, normalize(weights), draws, strict=True):
-                    log(f"{split} blend: {dataset.dataset.path_prefix}: weight {weight:.4g}, {drawn:,} samples")
-            else:  # a few lines at any scale
-                log(f"{split} blend: weights {min(normalize(weights)):.4g} to {max(normalize(weights)):.4g}, "
-                    f"{draws.min():,} to {draws.max():,} samples per dataset")
-            return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
-
-        arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build)
-        self.dataset_index, self.dataset_sample_index = arrays.values()
+        self.order = {"weights": normalize(weights) if size is not None else weights, "exhaustive": size is None,
+                      "datasets": [d.order for d in datasets]}
 
     def __len__(self):
         return len(self.dataset_index)
@@ -719,6 +780,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         weights = normalize(weights)
     dirs, blend_dir = cache_dirs(prefixes, cache_dir, fallback_cache_dir, len(prefixes) > 1 or weights is not None)
     rank, world_size = distributed()
+    stop_building = threading.Event()
 
     def gpt_split(d, i, num_samples):
         """The GPTDataset of split i of datasets[d], or None when it yields no samples."""
@@ -733,11 +795,11 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
                         split=SPLITS[i], cache_dir=dirs[d])
         return ds if len(ds) else None
 
-    def split_dataset(i):
+    def split_dataset(i, pool):
         if matrix[i] is None:
             return None
         t0 = time.perf_counter()
-        blended = blended_split(i)
+        blended = blended_split(i, pool)
         parts = getattr(blended, "datasets", [blended] if blended is not None else [])
         built = [part for part in parts if part.build_seconds is not None]
         if built:  # one line per split, whatever the number of prefixes
@@ -747,13 +809,17 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
                 f"{sum(p.build_seconds for p in built):.2f}s ({time.perf_counter() - t0:.2f}s for the whole split)")
         return blended
 
-    def blended_split(i):
+    def blended_split(i, pool):
         if weights is None and len(prefixes) == 1:
             return gpt_split(0, i, sizes[i])
+        indices = None
         if weights is not None:  # samples per dataset: blended (target), and built with megatron's 0.5% surplus
             targets = [math.ceil(sizes[i] * w) for w in weights]
-            parts = [gpt_split(d, i, math.ceil(target * (1 + 0.005))) for d, target in enumerate(targets)]
             blend_weights, blend_size = weights, sum(targets)
+            if blend_size:  # the blend's index needs no dataset: a thread builds it beside them
+                indices = pool.submit(blend_indices, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
+                                      names=prefixes, stop=stop_building)
+            parts = [gpt_split(d, i, math.ceil(target * (1 + 0.005))) for d, target in enumerate(targets)]
         else:  # one epoch of each, in proportion to their samples
             parts = [gpt_split(d, i, None) for d in range(len(datasets))]
             blend_weights = [0 if part is None else len(part) for part in parts]
@@ -766,13 +832,24 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
         if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
             raise ValueError(f"{prefixes[parts.index(None)]}: its {SPLITS[i]} split ({split!r}) has no samples of "
                              f"{seq_length} tokens, so it cannot take part in the blend")
-        return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir)
+        return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
+                              indices=None if indices is None else indices.result())
 
     def build():
-        with CacheWrites():
-            for dataset, directory in zip(datasets, dirs, strict=True):  # the index check, once per file version
-                check_once(dataset, directory)
-            return tuple(split_dataset(i) for i in range(3))
+        with CacheWrites(), concurrent.futures.ThreadPoolExecutor() as pool:
+            # the files are hashed side by side (the fingerprints key the cache); the checks then run in a thread of
+            # their own, and a weighted blend's index in another (blended_split), beside the datasets' builds
+            owed = [check for check in pool.map(check_once, datasets, dirs) if check is not None]
+            checks = pool.submit(lambda: [check() for check in owed])
+            try:
+                splits = tuple(split_dataset(i, pool) for i in range(3))
+            except BaseException as error:  # also Ctrl-C
+                stop_building.set()  # a blend being built beside stops within a fraction of a second, not minutes
+                if isinstance(error, Exception):
+                    checks.result()  # a corrupt index explains a failed build best
+                raise
+            checks.result()  # before any sample is read
+            return splits
 
     if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
         return build()
