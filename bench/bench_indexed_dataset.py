@@ -17,6 +17,7 @@ stops: the samples agree when every digest does. Ratios are ours / megatron-core
     python bench/bench_indexed_dataset.py --shape 10bt --cold_runs 3   # about 5 minutes on 2 cores
     python bench/bench_indexed_dataset.py --shape 100bt --scale 0.34   # a third of 100BT
     python bench/bench_indexed_dataset.py --shape 10bt --scale 0.05    # a quick look
+    python bench/bench_indexed_dataset.py --shape 100bt --blend_only 5000000   # the blend index alone, 140 datasets
 """
 import argparse
 import glob
@@ -132,6 +133,36 @@ def worker(side, data, cache, steps):
     print(json.dumps(dict(seconds=seconds, memory_mib=memory_mib, samples=len(train), digests=digests(train))))
 
 
+def blend_only(num_datasets, size, runs=3):
+    """The blend index alone: indexed_dataset.blending_indices against megatron-core's C++ build_blending_indices,
+    in this process, alternating, best of `runs`; weights as token counts of FineWeb-Edu files are (1 +- 1%)."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets import helpers
+
+    from indexed_dataset import blending_indices
+
+    weights = 1 + 0.01 * np.random.default_rng(0).random(num_datasets)
+    weights /= weights.sum()
+    best = {"megatron": float("inf"), "ours": float("inf")}
+    for run in range(runs):
+        for side in ("megatron", "ours") if run % 2 == 0 else ("ours", "megatron"):
+            t0 = time.perf_counter()
+            if side == "ours":
+                ours = blending_indices(weights.tolist(), size)
+            else:
+                theirs = np.zeros(size, np.int16), np.zeros(size, np.int64)
+                helpers.build_blending_indices(*theirs, weights, num_datasets, size, False)
+            best[side] = min(best[side], time.perf_counter() - t0)
+    agree = all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+    print(f"blend index of {size:,} samples over {num_datasets} datasets, best of {runs}: megatron-core "
+          f"{best['megatron']:.2f} s, ours {best['ours']:.2f} s ({best['ours'] / best['megatron']:.2f}x, "
+          f"{len(os.sched_getaffinity(0))} cores); the same arrays: {'yes' if agree else 'NO'}")
+    if not agree:
+        sys.exit(1)
+
+
 def run_worker(side, data, cache, steps):
     command = [sys.executable, os.path.abspath(__file__), "--worker", side, data, cache, str(steps)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=3600)
@@ -147,11 +178,16 @@ def main():
     parser.add_argument("--cold_runs", type=int, default=1, help="cold runs per side (each from an empty cache)")
     parser.add_argument("--warm_runs", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write the data and caches (default: a temp dir)")
+    parser.add_argument("--blend_only", type=int, metavar="SAMPLES", help="time only the blend index of SAMPLES "
+                        "samples over the shape's prefixes (ours against megatron-core's C++), in this process")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         side, data, cache, steps = args.worker
         worker(side, data, cache, int(steps))
+        return
+    if args.blend_only:
+        blend_only(max(2, round(SHAPES[args.shape]["prefixes"] * args.scale)), args.blend_only)
         return
 
     shape = SHAPES[args.shape]
