@@ -612,10 +612,10 @@ def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
 def release_free_memory():
     """Hand the free pages of the C heap back to the OS (glibc's malloc_trim; elsewhere nothing). glibc keeps much
     of what numpy frees, per thread: with a blend built in a thread beside the datasets, what one build freed would
-    stay resident through the next and raise the peak (10BT: 515 -> 472 MiB)."""
+    stay resident through the next and raise the peak (10BT: 515 -> 473 MiB)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no such function, or no C library to ask (Windows)
         pass
 
 
