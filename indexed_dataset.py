@@ -139,7 +139,7 @@ class IndexedDataset:
     @property
     def fingerprint(self):
         """What changes when the data is replaced: a hash of the index and the .bin's size (the tokens are not read).
-        Kept once known; not a functools.cached_property, whose lock (Python < 3.12) lets one instance at a time hash."""
+        Kept once known; not a functools.cached_property, whose lock (Python < 3.12) lets one file at a time hash."""
         if self._fingerprint is None:
             self._fingerprint = f"{file_sha256(self.path_prefix + '.idx')[:32]}-{self.sizes['.bin']}"
         return self._fingerprint
@@ -670,7 +670,7 @@ class GPTDataset:
         return f"{self.dataset.path_prefix}: {self.dataset.documents(sequences)} (sample {i})"
 
 
-def blend_indices(weights, size, *, split="train", cache_dir=None, names=(), stop=None):
+def cached_blending_indices(weights, size, *, split="train", cache_dir=None, names=(), stop=None):
     """BlendedDataset's arrays (dataset_index, dataset_sample_index) for `weights` and `size` (without a size, the
     weights are exact counts), kept in `cache_dir`; the datasets are not needed, so they can be built beside it.
     `names`: the datasets' prefixes, for the log; `stop`: a threading.Event that ends the build (blending_indices)."""
@@ -701,10 +701,10 @@ class BlendedDataset:
     """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`."""
 
     def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, indices=None):
-        """`indices`: what blend_indices(weights, size, ...) returned, when it was built beside the datasets."""
+        """`indices`: what cached_blending_indices(weights, size, ...) returned, when built beside the datasets."""
         self.datasets = datasets
         if indices is None:
-            indices = blend_indices(weights, size, split=split, cache_dir=cache_dir,
+            indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir,
                                     names=[d.dataset.path_prefix for d in datasets])
         self.dataset_index, self.dataset_sample_index = indices
         # the size only cuts the greedy draw short (without one, the draw differs): what decides the first samples
@@ -817,8 +817,8 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
             targets = [math.ceil(sizes[i] * w) for w in weights]
             blend_weights, blend_size = weights, sum(targets)
             if blend_size:  # the blend's index needs no dataset: a thread builds it beside them
-                indices = pool.submit(blend_indices, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
-                                      names=prefixes, stop=stop_building)
+                indices = pool.submit(cached_blending_indices, blend_weights, blend_size, split=SPLITS[i],
+                                      cache_dir=blend_dir, names=prefixes, stop=stop_building)
             parts = [gpt_split(d, i, math.ceil(target * (1 + 0.005))) for d, target in enumerate(targets)]
         else:  # one epoch of each, in proportion to their samples
             parts = [gpt_split(d, i, None) for d in range(len(datasets))]
