@@ -49,6 +49,11 @@ def node_leader():
     return rank == 0 if world_size == 1 or local_rank is None else local_rank == "0"
 
 
+def usable_cores():
+    """The CPU cores this process may run on (its affinity, which a scheduler or taskset may narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def log(message):
     if distributed()[0] == 0:
         print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
@@ -427,8 +432,7 @@ def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, 
     (datasets x rows) values at a time; with enough of them, blocks run side by side in threads, one a core (numpy
     lets go of the GIL in each step's arithmetic; small blocks would spend their time waiting for it)."""
     num_datasets = len(weights)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, min(cores, 8, len(draws) * num_datasets // (1 << 17)))
+    threads = max(1, min(usable_cores(), 8, len(draws) * num_datasets // (1 << 17)))
     rows = max(8, min(block // num_datasets, -(-len(draws) // threads)))
     end_draws = np.empty_like(draws)
 

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from atomic_io import LockHeld, WriteError, atomic_path, atomic_write, lock_file
-from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from indexed_dataset import IndexedDataset, IndexedDatasetBuilder, usable_cores
 from tokenizer import EOT_ID, SHA256, gpt2_encoding
 
 DATASETS = {"fineweb-edu": "HuggingFaceFW/fineweb-edu", "fineweb": "HuggingFaceFW/fineweb"}
@@ -434,7 +434,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
 
 
 def main(argv=None):
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cores()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu", help="the dataset to download")
     parser.add_argument("--sample", choices=sorted(SAMPLE_TOKENS), default="10BT", help="which sample/<N> to download")

@@ -141,7 +141,7 @@ def blend_only(num_datasets, size, runs=3):
     warnings.simplefilter("ignore")
     from megatron.core.datasets import helpers
 
-    from indexed_dataset import blending_indices
+    from indexed_dataset import blending_indices, usable_cores
 
     weights = 1 + 0.01 * np.random.default_rng(0).random(num_datasets)
     weights /= weights.sum()
@@ -158,7 +158,7 @@ def blend_only(num_datasets, size, runs=3):
     agree = all(np.array_equal(a, b) for a, b in zip(ours, theirs))
     print(f"blend index of {size:,} samples over {num_datasets} datasets, best of {runs}: megatron-core "
           f"{best['megatron']:.2f} s, ours {best['ours']:.2f} s ({best['ours'] / best['megatron']:.2f}x, "
-          f"{len(os.sched_getaffinity(0))} cores); the same arrays: {'yes' if agree else 'NO'}")
+          f"{usable_cores()} cores); the same arrays: {'yes' if agree else 'NO'}")
     if not agree:
         sys.exit(1)
 

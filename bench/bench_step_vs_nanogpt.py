@@ -34,6 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, GPTConfig  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --dtypes
+
 
 def import_nanogpt(directory):
     """nanoGPT's model.py as a module, from a checkout (its GPT, GPTConfig and configure_optimizers are used)."""
@@ -144,7 +146,7 @@ def peak_memory_in_subprocess(side, dtype_name, args):
 
 
 def compare_memory(args):
-    """--memory: each side in fresh subprocesses, alternating for --rounds rounds; medians in MiB, one line per dtype."""
+    """--memory: each side in fresh subprocesses, alternating for --rounds rounds; MiB medians, a line per dtype."""
     print(f"GPT 4x128, 4 heads, B={args.batch_size} T={args.seq_len}, vocab 50304, AdamW, {args.device}, "
           f"{'compiled' if args.compile else 'eager'}, {args.threads or 'default'} threads, {args.warmup} warm-up + "
           f"{args.steps} steps, each side alone in a fresh process, median of {args.rounds} alternating rounds; "
@@ -161,9 +163,9 @@ def compare_memory(args):
         label = "fp32" if dtype_name == "fp32" else "bf16 autocast"
         ours, theirs = median["ours"], median["nanoGPT"]
         print(f"{label:14s} run: ours {ours['run']:5.0f} MiB, nanoGPT {theirs['run']:5.0f} MiB, ours/nanoGPT "
-              f"{ours['run'] / theirs['run']:.2f}x; step: ours {ours['step']:5.0f} MiB, nanoGPT {theirs['step']:5.0f} "
-              f"MiB, ours/nanoGPT {ours['step'] / theirs['step']:.2f}x  (run MiB per round: ours {per_round['ours']}; "
-              f"nanoGPT {per_round['nanoGPT']})")
+              f"{ours['run'] / theirs['run']:.2f}x; step: ours {ours['step']:5.0f} MiB, "
+              f"nanoGPT {theirs['step']:5.0f} MiB, ours/nanoGPT {ours['step'] / theirs['step']:.2f}x  "
+              f"(run MiB per round: ours {per_round['ours']}; nanoGPT {per_round['nanoGPT']})")
 
 
 def main():
@@ -196,13 +198,13 @@ def main():
     data = torch.randint(0, 50257, (args.batch_size, args.seq_len + 1), generator=generator).to(args.device)
     idx, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     if args.only:  # one side of --memory, in its own process: one JSON line for the parent
-        dtype = dict(fp32=torch.float32, bf16=torch.bfloat16)[args.dtypes[0]]
+        dtype = DTYPES[args.dtypes[0]]
         print(json.dumps(peak_memory_alone(args.only, idx, targets, dtype, args)))
         return
     print(f"GPT 4x128, 4 heads, B={args.batch_size} T={args.seq_len}, vocab 50304, AdamW, {args.device}, "
-          f"{'compiled' if args.compile else 'eager'}, {torch.get_num_threads()} threads, median of {args.steps} steps after {args.warmup} warm-up, "
-          f"alternating")
-    for dtype in [dict(fp32=torch.float32, bf16=torch.bfloat16)[name] for name in args.dtypes]:
+          f"{'compiled' if args.compile else 'eager'}, {torch.get_num_threads()} threads, median of {args.steps} steps "
+          f"after {args.warmup} warm-up, alternating")
+    for dtype in [DTYPES[name] for name in args.dtypes]:
         models, optimizers = build(args)  # fresh, identical weights for each precision
         seconds, losses = step_seconds(models, optimizers, idx, targets, dtype, args)
         tps = {name: idx.numel() / s for name, s in seconds.items()}
