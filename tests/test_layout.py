@@ -6,6 +6,8 @@ import glob
 import os
 import re
 
+import pytest
+
 from conftest import ROOT
 
 MODULES = sorted(name[:-3] for name in os.listdir(ROOT) if name.endswith(".py"))
@@ -104,3 +106,40 @@ def test_every_relative_link_in_the_docs_resolves():
                     if anchor not in headings_anchors(f.read()):
                         broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such heading)")
     assert not broken, broken
+
+
+# The shape a reader can hold in their head. The limits are the ones nanoGPT's files meet with room to spare.
+LINE_BUDGET = 4200  # every top-level script together, the Slurm script included
+WIDE = 100  # characters
+MOST_WIDE_LINES = 0.08
+MOST_INLINE_CONDITIONALS = 2.5  # `a if c else b`, per 100 lines
+LONGEST_FUNCTION = 80  # lines
+
+
+def top_level_scripts():
+    names = [name for name in os.listdir(ROOT) if name.endswith((".py", ".sbatch"))]
+    return sorted(os.path.join(ROOT, name) for name in names)
+
+
+def test_the_scripts_stay_within_the_line_budget():
+    lines = {os.path.basename(path): len(open(path, encoding="utf-8").readlines())
+             for path in top_level_scripts()}
+    assert sum(lines.values()) <= LINE_BUDGET, lines
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_each_script_reads_like_nanogpt(module):
+    with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+        text = f.read()
+    lines = text.splitlines()
+    wide = [n for n, line in enumerate(lines, 1) if len(line) > WIDE]
+    assert len(wide) <= MOST_WIDE_LINES * len(lines), f"{module}.py: {len(wide)} lines over {WIDE}"
+    tree = ast.parse(text)
+    inline = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.IfExp)]
+    limit = MOST_INLINE_CONDITIONALS * len(lines) / 100
+    assert len(inline) <= limit, f"{module}.py: inline conditionals at lines {inline}"
+    functions = [node for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    long = [f"{f.name} ({f.end_lineno - f.lineno + 1} lines)" for f in functions
+            if f.end_lineno - f.lineno + 1 > LONGEST_FUNCTION]
+    assert not long, f"{module}.py: functions over {LONGEST_FUNCTION} lines: {long}"
