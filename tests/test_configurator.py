@@ -20,6 +20,7 @@ def script(*args, timeout=300):
                           text=True, capture_output=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_help_lists_every_key_with_its_default_and_comment_in_groups():
     result = script("--help")
     assert result.returncode == 0, result.stderr
@@ -139,6 +140,7 @@ def todays_recipe(tmp_path, data, *edits):
     return str(recipe)
 
 
+@pytest.mark.slow
 def test_todays_automodel_recipe_trains_as_written_and_says_every_key(data, tmp_path):
     """recipe:, FusedAdam's options and model.config's sizes are accepted; the run's model has model.config's sizes."""
     result = script(todays_recipe(tmp_path, data), "--device=cpu", "--compile=False")
@@ -184,6 +186,7 @@ def test_a_recipe_key_that_would_change_the_run_is_named_in_one_error(data, tmp_
     assert "\n" not in str(error.value) and "not supported by train_gpt2.py" in str(error.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit, message", [
     (("betas: [0.9, 0.95]", "betas: 0.9"), "optimizer.betas must be a list of two numbers [beta1, beta2], got 0.9"),
     (("betas: [0.9, 0.95]", "betas: [0.9, x]"), "optimizer.betas must be a list of two numbers"),
@@ -285,6 +288,7 @@ def test_config_file_errors_name_file_and_line(tmp_path, text, message):
 
 
 
+@pytest.mark.slow
 def test_load_config_errors_name_file_and_line(tmp_path):
     config = tmp_path / "config.py"
     config.write_text("max_steps = 5\nlr = 3e-4 *\n")
@@ -328,6 +332,7 @@ def test_a_value_out_of_range_is_one_line_naming_the_key_value_and_range(overrid
     assert str(error.value) == f"config: {message}"
 
 
+@pytest.mark.slow
 def test_a_negative_min_lr_never_trains(tmp_path):
     result = script("--min_lr=-1e-2", f"--out_dir={tmp_path / 'out'}")
     assert result.returncode == 1 and not (tmp_path / "out").exists()

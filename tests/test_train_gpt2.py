@@ -39,6 +39,7 @@ def script(*args, env=None, timeout=300):
 
 
 
+@pytest.mark.slow
 def test_an_older_python_gets_one_line_before_any_import():
     """TrainConfig's `str | None` is a TypeError on Python 3.9 (RHEL 9's python3): train_gpt2.py says what it needs
     first. Checked with the interpreter told it is 3.9, and with a real 3.9 where one is installed."""
@@ -53,6 +54,7 @@ def test_an_older_python_gets_one_line_before_any_import():
         assert result.stderr == "train_gpt2.py: error: Python 3.10 or newer is needed, this is Python 3.9\n"
 
 
+@pytest.mark.slow
 def test_an_older_torch_stops_at_start_in_one_line():
     """requirements.txt's floor is MIN_TORCH, the oldest torch bench/compat.sh passes the suite on."""
     assert train_gpt2.torch_version_problem() is None and train_gpt2.torch_version_problem("2.9.1+cu128") is None
@@ -115,6 +117,7 @@ def test_val_data_paths_takes_a_blend_list():
     assert cfg.val_data_paths == ["1", "a", "2", "b"]
 
 
+@pytest.mark.slow
 def test_a_batch_that_does_not_divide_is_one_error_printed_once_under_torchrun(data, tmp_path):
     result = subprocess.run(torchrun(tiny(data, tmp_path / "out", global_batch_size=8, local_batch_size=3)),
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -151,6 +154,7 @@ def rerun(finished, tmp_path, **overrides):
     return copy, config, args + overrides
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, message", [
     (dict(split="80,20,0"), "split '90,10,0' -> '80,20,0'"),
     (dict(seed=7), "seed 1234 -> 7"),
@@ -165,6 +169,7 @@ def test_a_resume_refuses_what_would_change_the_tokens_or_their_order(finished, 
     assert (copy / "train_config.json").read_text() == config  # a refused run rewrites nothing
 
 
+@pytest.mark.slow
 def test_a_resume_refuses_other_data_at_the_same_path_unless_allowed(finished, tmp_path, capsys):
     prefix, out = finished
     other = str(tmp_path / "other" / "bytes")
@@ -184,6 +189,7 @@ def test_a_resume_refuses_other_data_at_the_same_path_unless_allowed(finished, t
     assert "resuming with changed data (resume_allow_data_change)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_shorter_max_steps_within_the_plan_is_allowed_and_its_schedule_logged(finished, tmp_path, capsys):
     copy, _, args = rerun(finished, tmp_path, max_steps=15, lr=1e-3)
     assert train_gpt2.main(args) == 0
@@ -195,6 +201,7 @@ def test_a_shorter_max_steps_within_the_plan_is_allowed_and_its_schedule_logged(
     assert 15 in metrics(copy, "val_loss") and (copy / "hf").is_dir()  # the final evaluation and export at step 15
 
 
+@pytest.mark.slow
 def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tmp_path, capsys):
     prefix, out = finished
     copy = tmp_path / "out"
@@ -212,6 +219,7 @@ def test_eval_only_past_max_steps_and_a_finished_rerun_does_nothing(finished, tm
         "lr 0.003 -> 0.001) and a finished run takes no change" in said
 
 
+@pytest.mark.slow
 def test_eval_only_on_a_finished_run_leaves_its_records_and_writes_its_own(finished, tmp_path, capsys):
     prefix, out = finished
     copy = tmp_path / "out"
@@ -229,6 +237,7 @@ def test_eval_only_on_a_finished_run_leaves_its_records_and_writes_its_own(finis
     assert plot_log.parse_log(str(copy))["tel"][-1] == (20, round(metrics(copy, "val_loss")[20], 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, bad", [(np.uint16, 600), (np.int32, -3)])
 def test_a_token_id_outside_the_vocabulary_names_the_dataset_and_document(tmp_path, dtype, bad):
     prefix = str(tmp_path / "bad")
@@ -256,6 +265,7 @@ def test_blend_weights_that_overflow_and_val_tokens_beyond_the_validation_split_
         train_gpt2.main(tiny(data, tmp_path / "b", val_tokens=96_000))
 
 
+@pytest.mark.slow
 def test_a_nonfinite_checkpoint_is_set_aside_and_the_older_one_resumed(finished, tmp_path, capsys):
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
@@ -290,6 +300,7 @@ train_gpt2.cli(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it(data, tmp_path):
     result = subprocess.run([sys.executable, "-c", FULL_DISK, *tiny(data, tmp_path / "out", n_embd=64)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
@@ -300,6 +311,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it(data, tmp_path):
     assert os.listdir(tmp_path / "out" / "ckpt") == []
 
 
+@pytest.mark.slow
 def test_wandb_gets_every_metric_and_a_resumed_run_continues_the_same_wandb_run(data, tmp_path):
     out = tmp_path / "out"
     env = dict(WANDB_MODE="offline", WANDB_SILENT="true")
@@ -345,6 +357,7 @@ def wandb_records(path):
             yield record
 
 
+@pytest.mark.slow
 def test_memory_plan_is_within_30_percent_of_the_measured_peak_on_1_and_2_ranks(tmp_path):
     """A model whose weights, not torch's libraries, fill the memory: 50,257-token vocabulary, 4 x 256-wide layers,
     4 micro-batches per step; measured = the run's peak RSS minus the RSS before the model was built."""
@@ -396,6 +409,7 @@ def test_out_dir_that_is_not_a_run_directory_is_refused(data, tmp_path, monkeypa
     assert sorted(os.listdir(foreign)) == ["cat.jpg"]
 
 
+@pytest.mark.slow
 def test_export_replaces_only_an_hf_dir_it_wrote(data, tmp_path):
     out = tmp_path / "run"
     train_gpt2.main(tiny(data, out, max_steps=2))
@@ -413,6 +427,7 @@ def test_export_replaces_only_an_hf_dir_it_wrote(data, tmp_path):
     assert not [name for name in os.listdir(out) if name.startswith(".hf.")]
 
 
+@pytest.mark.slow
 def test_fresh_run_moves_old_logs_aside_and_a_resumed_run_appends(data, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
@@ -429,6 +444,7 @@ def test_fresh_run_moves_old_logs_aside_and_a_resumed_run_appends(data, tmp_path
     assert sorted(vislog(out / "main.log")["trl"]) == [0, 1, 2, 3] and not os.path.exists(out / "main.log.3")
 
 
+@pytest.mark.slow
 def test_a_torn_last_line_of_the_logs_is_cut_on_resume_and_said(data, tmp_path, capsys):
     out = tmp_path / "torn"
     train_gpt2.main(tiny(data, out, max_steps=6, ckpt_every_steps=3))
@@ -448,6 +464,7 @@ def test_a_torn_last_line_of_the_logs_is_cut_on_resume_and_said(data, tmp_path, 
     assert "skipped" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
@@ -462,6 +479,7 @@ def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp
     assert len(aside) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "empty rng.json", "bad train_state.json",
                                     "no .metadata"])
 def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
@@ -480,6 +498,7 @@ def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
     assert str(path / name) in check_checkpoint(str(path))
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_is_skipped_named_and_kept(data, reference, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     shutil.copytree(reference, out)
@@ -511,6 +530,7 @@ def test_damaged_newest_checkpoint_is_skipped_named_and_kept(data, reference, tm
 PROJECT_FILES = tuple(os.path.join(ROOT, name) for name in os.listdir(ROOT) if name.endswith(".py"))
 
 
+@pytest.mark.slow
 def test_no_synchronising_call_in_a_step_that_does_not_log(data, tmp_path, monkeypatch):
     """.item(), .cpu(), .tolist() and bool(tensor) wait for the device; count those the project's own code makes,
     per training step, with the numbers read once per 4 steps."""
@@ -556,12 +576,14 @@ def assert_losses_close(a, b, tol=1e-4):
         assert ma.keys() == mb.keys() and max(abs(ma[k] - mb[k]) for k in ma) <= tol, (key, ma, mb)
 
 
+@pytest.mark.slow
 def test_compile_gives_the_eager_losses_on_one_process(data, tmp_path):
     train_gpt2.main(compile_args(data, tmp_path / "eager", False))
     train_gpt2.main(compile_args(data, tmp_path / "compiled", True))
     assert_losses_close(tmp_path / "eager", tmp_path / "compiled")
 
 
+@pytest.mark.slow
 def test_compile_gives_the_eager_losses_on_two_ranks_with_fsdp2(data, tmp_path):
     for name, flag in (("eager", False), ("compiled", True)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -571,6 +593,7 @@ def test_compile_gives_the_eager_losses_on_two_ranks_with_fsdp2(data, tmp_path):
     assert_losses_close(tmp_path / "eager", tmp_path / "compiled")
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_trains_the_same_run(data, tmp_path):
     train_gpt2.main(tiny(data, tmp_path / "plain", max_steps=4, ckpt_every_steps=0))
     train_gpt2.main(tiny(data, tmp_path / "recomputed", max_steps=4, ckpt_every_steps=0, activation_checkpointing=True))
@@ -594,6 +617,7 @@ def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(mon
     assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ours eager", "ours compiled"])
 def test_memory_plans_loss_head_is_within_30_percent_of_the_measured_head(kind):
     """The head alone (bench/bench_loss_head.py's measurement: peak RSS of a fresh process above its baseline) for
@@ -659,6 +683,7 @@ def val_loss_logged(out):
     return metrics(out / "eval", "val_loss")[0]
 
 
+@pytest.mark.slow
 def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf_dir, val_prefix, tmp_path):
     expected = llmc_val_loss(hf_dir, val_prefix, 10)
     for local_batch_size in (1, 4):
@@ -673,6 +698,7 @@ def test_val_loss_on_llmc_windows_equals_transformers_for_any_ranks_and_batch(hf
     assert val_loss_logged(out) == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_only_writes_the_reference_line_and_hellaswag_of_the_standalone_script(hf_dir, val_prefix, tmp_path):
     out = tmp_path / "gpt2_reference"
     train_gpt2.main(eval_only_args(hf_dir, val_prefix, out, hellaswag=HELLASWAG_FIXTURE))
@@ -697,6 +723,7 @@ def small_byte_datasets(directory, count=2, blocks_each=15):
     return os.path.join(directory, "part_*")
 
 
+@pytest.mark.slow
 def test_training_past_one_epoch_resumes_bit_exactly_in_the_second_epoch(tmp_path):
     glob = small_byte_datasets(str(tmp_path))
     common = dict(split="100,0,0", val_tokens=0, index_mapping_dir=str(tmp_path / "cache"))
@@ -718,6 +745,7 @@ def test_training_past_one_epoch_resumes_bit_exactly_in_the_second_epoch(tmp_pat
     assert len(metrics(full, "train_loss")) == steps
 
 
+@pytest.mark.slow
 def test_metrics_hold_step_time_throughput_mfu_and_per_step_memory(tmp_path):
     glob = small_byte_datasets(str(tmp_path), count=1)
     out = tmp_path / "out"
@@ -749,6 +777,7 @@ def gpt2_token_dataset(prefix):
     return prefix
 
 
+@pytest.mark.slow
 def test_an_evaluation_logged_before_a_restart_is_logged_once(tmp_path, monkeypatch, capsys):
     prefix = gpt2_token_dataset(str(tmp_path / "shakespeare"))
     out = tmp_path / "out"
@@ -783,6 +812,7 @@ def gpt2_vocab_run(tmp_path_factory):
     return out / "hf"
 
 
+@pytest.mark.slow
 def test_hf_export_holds_the_gpt2_tokenizer_and_transformers_pipeline_extends_a_prompt(gpt2_vocab_run):
     from transformers import AutoTokenizer, GenerationConfig, pipeline
     assert GenerationConfig.from_pretrained(gpt2_vocab_run).eos_token_id == EOT_ID
@@ -797,6 +827,7 @@ def test_hf_export_holds_the_gpt2_tokenizer_and_transformers_pipeline_extends_a_
     assert out.startswith("ROMEO:") and len(tokenizer(out)["input_ids"]) > len(tokenizer("ROMEO:")["input_ids"])
 
 
+@pytest.mark.slow
 def test_hf_export_loads_the_way_lm_eval_harness_loads_it_and_scores_as_our_model(gpt2_vocab_run):
     """lm-eval's HFLM: AutoConfig, AutoTokenizer (fast), AutoModelForCausalLM, then a continuation's log-likelihood
     from the logits of context + continuation; here against model.py's own logits."""
@@ -817,6 +848,7 @@ def test_hf_export_loads_the_way_lm_eval_harness_loads_it_and_scores_as_our_mode
     assert torch.allclose(loglik[0], loglik[1], atol=1e-4), loglik
 
 
+@pytest.mark.slow
 def test_a_blends_weights_are_said_at_every_start(data, tmp_path, capsys):
     other = str(tmp_path / "other")
     for suffix in (".bin", ".idx"):
@@ -828,6 +860,7 @@ def test_a_blends_weights_are_said_at_every_start(data, tmp_path, capsys):
         assert f"train blend: {data} 0.2500, {other} 0.7500" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_init_from_a_run_whose_newest_checkpoint_does_not_load_takes_the_one_before(finished, tmp_path, capsys):
     prefix, out = finished
     source = tmp_path / "source"
@@ -848,6 +881,7 @@ def test_init_from_a_run_whose_newest_checkpoint_does_not_load_takes_the_one_bef
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_max_steps_can_change_on_a_glob_while_the_samples_consumed_stay_the_same(tmp_path, capsys):
     glob = small_byte_datasets(str(tmp_path), blocks_each=30)  # two prefixes, one epoch is more than 14 steps
     common = dict(split="100,0,0", val_tokens=0, ckpt_every_steps=5, index_mapping_dir=str(tmp_path / "cache"))
@@ -866,6 +900,7 @@ def test_max_steps_can_change_on_a_glob_while_the_samples_consumed_stay_the_same
         train_gpt2.main(tiny(glob, refused, max_steps=200, **common))
 
 
+@pytest.mark.slow
 def test_init_from_and_eval_only_of_a_live_run_that_deletes_the_chosen_checkpoint_take_its_newer_one(
         finished, tmp_path, monkeypatch, capsys):
     prefix, out = finished
@@ -904,6 +939,7 @@ def run_stopped_and_resumed(args, out, stop_after):
     return metrics(full, "train_loss"), metrics(resumed, "train_loss"), full
 
 
+@pytest.mark.slow
 def test_a_schedule_of_your_own_is_lr_at_alone(data, tmp_path, monkeypatch):
     def warmup_stable_decay(step, cfg):  # 2 steps of warmup, flat, the last 25% decaying to 0
         decay_start = int(0.75 * cfg.max_steps)
@@ -922,6 +958,7 @@ def test_a_schedule_of_your_own_is_lr_at_alone(data, tmp_path, monkeypatch):
     assert metrics(out, "lr") == {step: warmup_stable_decay(step, cfg) for step in range(20)}
 
 
+@pytest.mark.slow
 def test_a_parameter_group_of_your_own_resumes_exactly(data, tmp_path, monkeypatch):
     """The embedding at 10x the lr in a group of its own: an edit of build_optimizer alone."""
     def with_embedding_group(model, cfg, device):
@@ -951,6 +988,7 @@ def test_a_parameter_group_of_your_own_resumes_exactly(data, tmp_path, monkeypat
     assert sorted(metrics(regrouped, "train_loss")) == list(range(30))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root to mount")
 def test_a_really_full_disk_during_a_checkpoint_says_the_disk_is_full(data, tmp_path):
     out = tmp_path / "out"
@@ -982,6 +1020,7 @@ def test_a_signal_during_setup_without_validation_checkpoints_before_any_step(da
     assert not os.path.exists(out / "metrics.jsonl") or not metrics(out, "train_loss")
 
 
+@pytest.mark.slow
 def test_every_checkpoint_failing_its_size_check_is_refused_not_restarted(finished, tmp_path):
     prefix, out = finished
     copy = tmp_path / "out"
@@ -997,6 +1036,7 @@ def test_every_checkpoint_failing_its_size_check_is_refused_not_restarted(finish
     assert metrics(copy, "train_loss") == metrics(out, "train_loss")
 
 
+@pytest.mark.slow
 def test_a_data_error_mid_run_saves_the_last_good_step_and_the_rerun_resumes_it(
         data, tmp_path, monkeypatch):
     args = tiny(data, tmp_path / "out", max_steps=20, index_mapping_dir=str(tmp_path / "c"))
