@@ -80,7 +80,7 @@ def test_small_vocabulary_is_refused():
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=16, vocab_size=512, n_layer=1, n_head=2, n_embd=16))
-    with pytest.raises(ValueError, match="not GPT-2's 50257"):
+    with pytest.raises(ValueError, match="50257"):
         sample.sample_texts(model, "Hi", max_new_tokens=2)
 
 
