@@ -16,7 +16,7 @@ def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperatur
                  seed=1337, device="cpu"):
     """Continuations of `prompt`, prompt in front, reproducible by `seed`."""
     if model.config.vocab_size != VOCAB_SIZE:
-        raise ValueError(f"vocabulary of {model.config.vocab_size}, not GPT-2's {VOCAB_SIZE} tokens")
+        raise ValueError(f"{model.config.vocab_size} tokens, not GPT-2's vocabulary of {VOCAB_SIZE}")
     enc = gpt2_encoding()
     start = enc.encode_ordinary(prompt) or [EOT_ID]  # an empty prompt starts a new document
     idx = torch.tensor([start] * num_samples, dtype=torch.long, device=device)
@@ -45,7 +45,7 @@ def main(argv=None):
     if not 0 <= args.temperature < math.inf:  # nan fails both comparisons
         parser.error(f"--temperature must be >= 0 and finite, got {args.temperature}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():  # before the slow load
-        parser.error(f"--device {args.device}: torch sees no CUDA GPU; use --device cpu")
+        parser.error(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu")
     try:
         model = load_model(args.model).to(args.device)
         texts = sample_texts(model, args.prompt, num_samples=args.num_samples,
