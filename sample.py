@@ -16,7 +16,7 @@ def sample_texts(model, prompt, *, num_samples=1, max_new_tokens=100, temperatur
                  seed=1337, device="cpu"):
     """Continuations of `prompt`, prompt in front, reproducible by `seed`."""
     if model.config.vocab_size != VOCAB_SIZE:
-        raise ValueError(f"{model.config.vocab_size} tokens, not GPT-2's vocabulary of {VOCAB_SIZE}")
+        raise ValueError(f"a vocabulary of {model.config.vocab_size}, not GPT-2's {VOCAB_SIZE}")
     enc = gpt2_encoding()
     start = enc.encode_ordinary(prompt) or [EOT_ID]  # an empty prompt starts a new document
     idx = torch.tensor([start] * num_samples, dtype=torch.long, device=device)
