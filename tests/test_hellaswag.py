@@ -62,6 +62,7 @@ def expected_result(ref_sums, ref_means, examples):
                 correct=correct, total=len(examples))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_positions", [128, 24])  # 24: every row is longer, the context is cut from the left
 def test_scores_match_transformers(tmp_path, n_positions):
     from transformers import GPT2LMHeadModel
@@ -83,6 +84,7 @@ def test_scores_match_transformers(tmp_path, n_positions):
     assert limited == expected_result(ref_sums[:5], ref_means[:5], examples[:5])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["random GPT, padded vocabulary", "HF fixture"])
 def test_batched_equals_one_ending_per_forward(hf_dir, source):
     """Several examples per forward, padded to the longest row, give the losses and counts of one row per forward."""
@@ -112,6 +114,7 @@ def test_batched_equals_one_ending_per_forward(hf_dir, source):
         assert hellaswag.evaluate(model, rendered, device="cpu", batch_size=batch_size) == expected
 
 
+@pytest.mark.slow
 def test_rendered_once_then_reused(hf_dir, monkeypatch):
     """render_all's tokens stand in for the examples: evaluate never tokenizes them again."""
 
@@ -160,6 +163,7 @@ def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
     assert len(calls) == 3 and model.training
 
 
+@pytest.mark.slow
 def test_two_ranks_give_the_counts_of_one(hf_dir, tmp_path):
 
     # 9 examples, 2 per forward: rank 0 scores 5 (3 forwards), rank 1 scores 4 (2 forwards + 1 to keep FSDP in step)

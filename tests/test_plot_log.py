@@ -52,6 +52,7 @@ def demo_log(tmp_path_factory):
     return out_dir / "main.log", first_run
 
 
+@pytest.mark.slow
 def test_demo_log_renders_and_later_lines_win(demo_log, tmp_path, capsys):
     import matplotlib.image
 
@@ -85,6 +86,7 @@ def test_demo_log_renders_and_later_lines_win(demo_log, tmp_path, capsys):
     assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # an ordinary file, not a private temporary one
 
 
+@pytest.mark.slow
 def test_garbage_lines_are_counted_and_skipped(demo_log, tmp_path, capsys):
     log_path, _ = demo_log
     noisy = tmp_path / "main.log"
@@ -150,6 +152,7 @@ def test_a_log_without_hellaswag_gets_no_hellaswag_panel(tmp_path):
     assert [ax.get_title() for ax in figure.axes] == ["Loss", "HellaSwag eval"]
 
 
+@pytest.mark.slow
 def test_logged_hellaswag_equals_the_standalone_cli(demo_log):
     """The `s:6 eval:` the trainer logged for its final model is what hellaswag.py computes from the run's files."""
     import hellaswag

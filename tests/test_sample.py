@@ -22,6 +22,7 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(hf_dir):
     from transformers import GPT2LMHeadModel
 
@@ -36,6 +37,7 @@ def test_greedy_matches_transformers_generate(hf_dir):
     assert text == prompt + gpt2_encoding().decode(out[0, len(tokens):].tolist())
 
 
+@pytest.mark.slow
 def test_seed_reproduces_and_leaves_the_callers_rng_alone(hf_dir):
     model = sample.load_model(hf_dir)
     torch.manual_seed(123)
@@ -52,6 +54,7 @@ def test_seed_reproduces_and_leaves_the_callers_rng_alone(hf_dir):
     assert unprompted and not unprompted.startswith("<|endoftext|>")
 
 
+@pytest.mark.slow
 def test_cli(hf_dir, capsys, tmp_path):
     texts = sample.main(["--model", hf_dir, "--prompt", "ROMEO:", "--num-samples", "2", "--max-new-tokens", "10",
                          "--top-k", "5", "--temperature", "0.8", "--seed", "3", "--device", "cpu"])
@@ -84,6 +87,7 @@ def test_small_vocabulary_is_refused():
         sample.sample_texts(model, "Hi", max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_training_run_out_dir_and_checkpoint(tmp_path):
     """A train_gpt2 out_dir (newest checkpoint) and one of its checkpoints sample what transformers samples from the
     run's final Hugging Face export."""
