@@ -314,16 +314,16 @@ def kept_outputs(inputs, output_dir, fingerprints, with_val):
         files = {}
         for entry in earlier["files"]:
             index = entry["index"]
-            if index < len(inputs) and entry["fingerprint"] == fingerprints[index] \
-                    and finished(output_prefix(output_dir, index), entry):
+            same_input = index < len(inputs) and entry["fingerprint"] == fingerprints[index]
+            if same_input and finished(output_prefix(output_dir, index), entry):
                 files[index] = dict(entry, kept=True)
         if not with_val:
             return None, files, earlier
         # val is kept only with the outputs of every input it drew from: theirs start where it ends.
         val, last = earlier["val"], earlier["val"]["last_input"]
-        whole = all(index in files for index in range(last + 1))
-        if whole and val["fingerprint"] == fingerprints[last] \
-                and finished(os.path.join(output_dir, "val_text_document"), val):
+        same_inputs = all(index in files for index in range(last + 1))
+        same_inputs = same_inputs and val["fingerprint"] == fingerprints[last]
+        if same_inputs and finished(os.path.join(output_dir, "val_text_document"), val):
             return dict(val, kept=True), files, earlier
     return None, {}, {}
 
