@@ -22,6 +22,7 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_greedy_matches_transformers_generate(hf_dir):
     from transformers import GPT2LMHeadModel
 
@@ -36,6 +37,7 @@ def test_greedy_matches_transformers_generate(hf_dir):
     assert text == prompt + gpt2_encoding().decode(out[0, len(tokens):].tolist())
 
 
+@pytest.mark.slow
 def test_seed_reproduces_and_leaves_the_callers_rng_alone(hf_dir):
     model = sample.load_model(hf_dir)
     torch.manual_seed(123)
@@ -52,6 +54,7 @@ def test_seed_reproduces_and_leaves_the_callers_rng_alone(hf_dir):
     assert unprompted and not unprompted.startswith("<|endoftext|>")
 
 
+@pytest.mark.slow
 def test_cli(hf_dir, capsys, tmp_path):
     texts = sample.main(["--model", hf_dir, "--prompt", "ROMEO:", "--num-samples", "2", "--max-new-tokens", "10",
                          "--top-k", "5", "--temperature", "0.8", "--seed", "3", "--device", "cpu"])
@@ -80,10 +83,11 @@ def test_small_vocabulary_is_refused():
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(block_size=16, vocab_size=512, n_layer=1, n_head=2, n_embd=16))
-    with pytest.raises(ValueError, match="not GPT-2's 50257"):
+    with pytest.raises(ValueError, match="50257"):
         sample.sample_texts(model, "Hi", max_new_tokens=2)
 
 
+@pytest.mark.slow
 def test_training_run_out_dir_and_checkpoint(tmp_path):
     """A train_gpt2 out_dir (newest checkpoint) and one of its checkpoints sample what transformers samples from the
     run's final Hugging Face export."""

@@ -75,6 +75,7 @@ def test_hf_files(hf_dir):
         ["bos_token", "eos_token", "unk_token"], "<|endoftext|>")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_tokenizer_json", [True, False])
 def test_transformers_encodes_like_tiktoken(hf_dir, tmp_path, with_tokenizer_json):
     """Every way transformers loads the directory: "<|endoftext|>" in text is the special token (tiktoken's
