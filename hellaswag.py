@@ -34,8 +34,10 @@ def read_jsonl(path, data=None):
         where = f"{path}, line {line_number}"
         try:
             example = json.loads(line.decode("utf-8"))
-        except ValueError as e:  # invalid UTF-8 or invalid JSON
-            raise ValueError(f"{where}: not UTF-8 JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
         ex = example if isinstance(example, dict) else {}
         endings = ex.get("endings")
         four_strings = isinstance(endings, list) and [type(e) for e in endings] == [str] * 4

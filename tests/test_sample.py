@@ -107,7 +107,8 @@ def test_training_run_out_dir_and_checkpoint(tmp_path):
     out_dir = tmp_path / "out"
     train_gpt2.main([os.path.join(ROOT, "configs", "demo_cpu.py"), f"--data_paths={prefix}", f"--out_dir={out_dir}",
                      "--seq_length=32", "--n_layer=1", "--n_head=2", "--n_embd=32", "--global_batch_size=4",
-                     "--local_batch_size=4", "--max_steps=2", "--val_tokens=0", "--sample_tokens=0",
+                     "--local_batch_size=4", "--max_steps=2", "--lr_warmup_steps=1", "--val_tokens=0",
+                     "--sample_tokens=0",
                      "--dtype=float32"])
 
     prompt = "KING RICHARD:"

@@ -78,7 +78,7 @@ def test_sigterm_during_a_long_validation_is_checkpointed_at_once(data, tmp_path
 
 
 def test_fsdp2_shards_on_a_mesh_of_the_runs_device(data, tmp_path):
-    result = subprocess.run(torchrun(tiny(data, tmp_path / "out", max_steps=1, val_tokens=0)), cwd=ROOT,
+    result = subprocess.run(torchrun(tiny(data, tmp_path / "out", max_steps=1, lr_warmup_steps=1, val_tokens=0)), cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FSDP2 over a cpu mesh of 2 ranks" in result.stdout
@@ -408,7 +408,7 @@ def test_init_from_a_hub_id_is_downloaded_by_each_nodes_first_rank_into_its_own_
 def test_config_errors_name_the_key(tmp_path, data):
     config = tmp_path / "config.py"
     config.write_text("import math\nmax_steps = 5\nlr = 3e-4 * math.sqrt(4)\nsplit = '90,10,0'\n")
-    cfg = train_gpt2.load_config([str(config), "--max_steps=7", "--min_lr=0", "--hellaswag_limit=10",
+    cfg = train_gpt2.load_config([str(config), "--max_steps=7", "--lr_warmup_steps=2", "--min_lr=0", "--hellaswag_limit=10",
                                   "--init_from=gpt2", "--data_paths=['30', 'a', '70', 'b']", "--split=98,2,0"])
     assert (cfg.max_steps, cfg.lr, cfg.min_lr, cfg.hellaswag_limit) == (7, 6e-4, 0.0, 10)
     assert (cfg.init_from, cfg.data_paths, cfg.split) == ("gpt2", ["30", "a", "70", "b"], "98,2,0")
@@ -678,7 +678,7 @@ def test_non_finite_weights_are_never_checkpointed_or_exported(data, tmp_path):
     out = tmp_path / "one"
     with pytest.raises(FloatingPointError, match=r"checkpoint at step 1: parameters hold NaN or inf "
                                                  r"\(transformer\..*\); nothing was written.*none"):
-        train_gpt2.main(tiny(data, out, max_steps=1, **blow_up))
+        train_gpt2.main(tiny(data, out, max_steps=1, lr_warmup_steps=1, **blow_up))
     assert os.listdir(out / "ckpt") == [] and not os.path.exists(out / "hf")
     # sharded: each rank checks its own shard and all ranks stop; the last good checkpoint stays the newest
     out = tmp_path / "two"
@@ -710,19 +710,19 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_checkpoint(data
     out = tmp_path / "full"
     message = run_main_as_script(monkeypatch, tiny(data, out, max_steps=6, ckpt_every_steps=2))
     assert re.fullmatch(r"train_gpt2\.py: error: .*step_00000004\.tmp/__0_0\.distcp: writing checkpoint "
-                        r".*step_00000004 failed on rank 0: No space left on device; free some space or choose "
-                        r"another out_dir", message)
+                        r".*step_00000004 failed on rank 0: No space left on device; the disk is full: free "
+                        r"some space or choose another out_dir", message)
     assert os.listdir(out / "ckpt") == ["step_00000002"]
 
 
 def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    message = run_main_as_script(monkeypatch, tiny(data, a_file / "out", max_steps=1))
+    message = run_main_as_script(monkeypatch, tiny(data, a_file / "out", max_steps=1, lr_warmup_steps=1))
     assert message == f"train_gpt2.py: error: {a_file / 'out'}: Not a directory; a part of the path is a file, " \
                       f"not a directory; choose another path"
     message = run_main_as_script(monkeypatch, tiny(data, tmp_path / "out", index_mapping_dir=str(a_file / "cache"),
-                                                   max_steps=1))
+                                                   max_steps=1, lr_warmup_steps=1))
     assert message.startswith(f"train_gpt2.py: error: {a_file / 'cache'}") and "Not a directory" in message
     read_only = tmp_path / "read_only"
     read_only.mkdir(mode=0o555)
@@ -735,7 +735,7 @@ def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, cap
             return real_makedirs(path, *args, **kwargs)
 
         monkeypatch.setattr(os, "makedirs", makedirs)
-    message = run_main_as_script(monkeypatch, tiny(data, read_only, max_steps=1))
+    message = run_main_as_script(monkeypatch, tiny(data, read_only, max_steps=1, lr_warmup_steps=1))
     assert "Permission denied; choose a directory you can write to" in message
     monkeypatch.undo()
 
@@ -762,11 +762,11 @@ def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(ValueError, match=rf"another run is training in this out_dir .*held by pid {holder.pid} "
                                              rf"on host"):
-            train_gpt2.main(tiny(data, out, max_steps=1))
+            train_gpt2.main(tiny(data, out, max_steps=1, lr_warmup_steps=1))
     finally:
         holder.send_signal(signal.SIGKILL)  # the OS drops the lock of a killed holder: no stale lock
         holder.wait()
-    assert train_gpt2.main(tiny(data, out, max_steps=1)) == 0
+    assert train_gpt2.main(tiny(data, out, max_steps=1, lr_warmup_steps=1)) == 0
 
 
 SLOW_CHECKPOINT = """
