@@ -25,6 +25,7 @@ import functools
 import gc
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -54,7 +55,7 @@ from configurator import NANOGPT_INIT_FROM, config_help, parse_config
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets,
                              first_samples_agree, one_epoch_samples, resolve_blend,
                              sequential_samples, token_weighted_blend)
-from model import (GPT, LOSS_CHUNK_ROWS, MARKER, GPTConfig, complete_checkpoints, export_hf,
+from model import (GPT, MARKER, GPTConfig, complete_checkpoints, export_hf,
                    init_sharded, is_run_or_checkpoint, load_hf_sharded, load_weights,
                    newest_usable_checkpoint, read_train_state,
                    resolve_checkpoint, resolve_pretrained, set_aside)
@@ -439,25 +440,17 @@ def training_state(model, optimizer, step):
     return {"model": model_state, "optim": per_parameter}
 
 
-def rng_state():
-    """The random generators' states as JSON (a full disk then fails as an OSError naming the
-    file, which torch.save's zip writer does not do)."""
-    state = dict(torch=torch.get_rng_state().tolist(), python=random.getstate(), cuda=None)
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    state["numpy"] = [kind, keys.tolist(), position, has_gauss, gauss]
+def save_rng(path):
+    """The random generators' states, serialized in memory first: a full disk then fails in
+    write() as an OSError naming the file, where torch.save's zip writer says "unexpected pos"."""
+    state = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(),
+                 python=random.getstate(), cuda=None)
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state):
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    kind, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, gauss))
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+        state["cuda"] = torch.cuda.get_rng_state()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with atomic_write(path) as f:
+        f.write(buffer.getvalue())
 
 
 def write_json(path, obj):
@@ -477,7 +470,7 @@ def fsync_tree(path):
 
 
 def save_checkpoint(cfg, model, optimizer, step, data):
-    """Write ckpt/step_N.tmp (DCP shards, rng.json, train_state.json), fsync it, write its marker
+    """Write ckpt/step_N.tmp (DCP shards, rng.pt, train_state.json), fsync it, write its marker
     last and rename it to step_N; then drop the oldest beyond ckpt_keep. Every rank calls it."""
     assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
@@ -494,7 +487,7 @@ def save_checkpoint(cfg, model, optimizer, step, data):
     try:
         dcp.save(training_state(model, optimizer, step), checkpoint_id=tmp)
         if is_master():  # dcp.save returns on rank 0 once every rank's files are written
-            write_json(os.path.join(tmp, "rng.json"), rng_state())
+            save_rng(os.path.join(tmp, "rng.pt"))
             train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
                                world_size=rank_and_world_size()[1],
                                model_config=dataclasses.asdict(model.config),
@@ -558,8 +551,12 @@ def load_state(path, model, optimizer):
         raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite "
                                  "Adam moment")
     # Every rank was seeded alike and nothing draws per-rank randomness: rank 0's states serve all.
-    with open(os.path.join(path, "rng.json"), encoding="utf-8") as f:
-        set_rng_state(json.load(f))
+    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
     return train_state
 
 
@@ -805,56 +802,6 @@ def load_init_checkpoint(source, model):
         if is_master():
             print(f"init_from: skipping {why}")
         tried.append(path)
-
-
-def memory_plan(model_config, cfg, world_size, device):
-    """(a line of text, GiB) of one rank's expected peak memory."""
-    with torch.device("meta"):
-        model = GPT(model_config)
-    n = sum(p.numel() for p in model.parameters())
-    n_block = sum(p.numel() for p in model.transformer.h[0].parameters())
-    sharded = dist.is_initialized()
-    act_bytes = 4
-    if cfg.dtype == "bfloat16":
-        act_bytes = 2
-    tokens = cfg.local_batch_size * cfg.seq_length
-    # Activations: about 34 x tokens x n_embd bytes a layer in 16 bits (Korthikanti et al., 2022),
-    # or just each block's input when activation checkpointing recomputes the rest.
-    per_layer = 17 * act_bytes * tokens * model_config.n_embd
-    if cfg.activation_checkpointing:
-        per_layer = act_bytes * tokens * model_config.n_embd
-    parts = {"parameters": 4 * n / world_size, "gradients": 4 * n / world_size,
-             "optimizer": 8 * n / world_size, "activations": per_layer * model_config.n_layer}
-    if sharded and cfg.global_batch_size > cfg.local_batch_size * world_size:
-        # FSDP2 accumulates unsharded fp32 gradients between reductions.
-        parts["FSDP2 gradient accumulators"] = 4 * n
-    if sharded:
-        parts["FSDP2 gathered blocks"] = 2 * act_bytes * n_block  # two blocks at a time
-    if not sharded and cfg.dtype == "bfloat16":
-        parts["autocast copies"] = 2 * n
-    rows = min(tokens, LOSS_CHUNK_ROWS.get(device.type, 1024))
-    vocab_rows = model_config.padded_vocab_size or model_config.vocab_size
-    parts["loss head"] = loss_head_bytes(rows, vocab_rows, model_config.n_embd, act_bytes,
-                                         cfg.compile)
-    gib = 2**30
-    total = sum(parts.values()) / gib
-    sizes = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
-    plan = (f"memory plan per rank ({world_size} rank(s), {cfg.dtype}, micro-batch {tokens:,} "
-            f"tokens): {sizes}; total ~{total:.2f} GiB (estimated); device free ")
-    if device.type != "cuda":
-        return plan + "n/a (CPU)", total
-    free = torch.cuda.mem_get_info(device)[0] / gib
-    plan += f"{free:.1f} GiB"
-    if total > 0.9 * free:
-        plan += "\nWARNING: this may not fit: lower local_batch_size, use more ranks"
-        if not cfg.activation_checkpointing:
-            plan += " or set activation_checkpointing=True"
-    return plan, total
-
-
-def loss_head_bytes(rows, vocab, n_embd, act_bytes, compiled):  # TEMP until model.py has it
-    eager = 0 if compiled else rows * vocab * 4 * (1 if act_bytes == 4 else 2)
-    return rows * vocab * act_bytes + eager + 4 * vocab * n_embd
 
 
 def build_optimizer(model, cfg, device):
@@ -1363,8 +1310,6 @@ def setup(cfg, world_size, device, log, stop):
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's "
                          f"context ({model_config.block_size} positions)")
-    plan, plan_gib = memory_plan(model_config, cfg, world_size, device)
-    log(plan, memory_plan_gib=plan_gib, memory_baseline_gib=peak_memory(device, reset=True)[0])
     model = build_model(model_config, init, cfg, device)
     optimizer = build_optimizer(model, cfg, device)
     data, step = {}, 0
@@ -1585,6 +1530,10 @@ def cli(argv=None):
         sys.exit(run(cfg, restore_signals=False))
     except (ValueError, FloatingPointError, PeerLost) as e:
         sys.exit(f"{prefix}train_gpt2.py: error: {e}")
+    except torch.cuda.OutOfMemoryError:
+        sys.exit(f"{prefix}train_gpt2.py: error: out of GPU memory; lower local_batch_size (the "
+                 "gradient accumulation grows to keep global_batch_size), set "
+                 "activation_checkpointing=True, or use more GPUs")
     except OSError as e:  # a file or directory the run cannot use
         text = e.strerror or str(e)
         if e.filename is not None:

@@ -357,32 +357,6 @@ def wandb_records(path):
             yield record
 
 
-@pytest.mark.slow
-def test_memory_plan_is_within_30_percent_of_the_measured_peak_on_1_and_2_ranks(tmp_path):
-    """A model whose weights, not torch's libraries, fill the memory: 50,257-token vocabulary, 4 x 256-wide layers,
-    4 micro-batches per step; measured = the run's peak RSS minus the RSS before the model was built."""
-    prefix = str(tmp_path / "tokens")
-    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        builder.add_document(rng.integers(0, 50257, 300).astype(np.uint16))
-    builder.finalize(prefix + ".idx")
-    for nproc in (1, 2):
-        out = tmp_path / f"out{nproc}"
-        args = tiny(prefix, out, n_layer=4, n_head=4, n_embd=256, vocab_size=50257, seq_length=128,
-                    global_batch_size=32, local_batch_size=8 // nproc, max_steps=3, val_tokens=0,
-                    ckpt_every_steps=0, split="99,1,0", index_mapping_dir=str(tmp_path / "cache"))
-        cmd = torchrun(args, nproc) if nproc > 1 else [sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        records = [json.loads(line) for line in open(out / "metrics.jsonl")]
-        plan = next(r for r in records if "memory_plan_gib" in r)
-        measured = max(r["run_peak_mem_gib"] for r in records if "run_peak_mem_gib" in r) - plan["memory_baseline_gib"]
-        print(f"{nproc} rank(s): plan {plan['memory_plan_gib']:.3f} GiB, measured {measured:.3f} GiB "
-              f"(x{plan['memory_plan_gib'] / measured:.2f})")
-        assert abs(plan["memory_plan_gib"] - measured) <= 0.3 * measured
-
-
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
     """An uninterrupted 6-step run, a checkpoint every 2 steps, all kept."""
@@ -480,14 +454,14 @@ def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "empty rng.json", "bad train_state.json",
+@pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "empty rng.pt", "bad train_state.json",
                                     "no .metadata"])
 def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
     path = tmp_path / "step"
     shutil.copytree(reference / "ckpt" / "step_00000006", path)
     assert check_checkpoint(str(path)) is None
     name, text = {"truncated shard": ("__0_0.distcp", None), "missing shard": ("__0_0.distcp", None),
-                  "empty rng.json": ("rng.json", b""), "bad train_state.json": ("train_state.json", b"{\"step\": 6,"),
+                  "empty rng.pt": ("rng.pt", b""), "bad train_state.json": ("train_state.json", b"{\"step\": 6,"),
                   "no .metadata": (".metadata", None)}[damage]
     if damage == "truncated shard":
         os.truncate(path / name, os.path.getsize(path / name) // 2)
@@ -600,35 +574,6 @@ def test_activation_checkpointing_trains_the_same_run(data, tmp_path):
     for key in ("train_loss", "val_loss", "grad_norm"):
         a, b = metrics(tmp_path / "plain", key), metrics(tmp_path / "recomputed", key)
         assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) <= 1e-6
-
-
-def test_memory_plan_counts_per_rank_and_names_the_keys_when_it_will_not_fit(monkeypatch):
-    from model import GPTConfig
-
-    cfg = train_gpt2.load_config(["--n_layer=12", "--n_head=12", "--n_embd=768", "--local_batch_size=64"])
-    model_config = GPTConfig(n_layer=12, n_head=12, n_embd=768, padded_vocab_size=50304)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80 * 2**30, 80 * 2**30))
-    plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
-    n = 124_475_904  # GPT-2 124M with the vocabulary padded to 50304: 4 bytes each, sharded over 8 ranks
-    assert f"parameters {4 * n / 8 / 2**30:.2f} GiB" in plan and f"optimizer {8 * n / 8 / 2**30:.2f} GiB" in plan
-    assert "WARNING" not in plan
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))
-    plan, _ = train_gpt2.memory_plan(model_config, cfg, 8, torch.device("cuda", 0))
-    assert "WARNING" in plan and "local_batch_size" in plan and "activation_checkpointing=True" in plan
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["ours eager", "ours compiled"])
-def test_memory_plans_loss_head_is_within_30_percent_of_the_measured_head(kind):
-    """The head alone (bench/bench_loss_head.py's measurement: peak RSS of a fresh process above its baseline) for
-    1,024 rows of n_embd 768 over 50,304 in fp32, 512-row chunks on a CPU: compiled, no fp32 chunk beyond the buffer."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_loss_head.py"), "--child", kind,
-                             "--batch-size", "1", "--seq-len", "1024"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=900, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    measured = json.loads(result.stdout.strip().splitlines()[-1])[0]
-    planned = train_gpt2.loss_head_bytes(512, 50304, 768, 4, compiled=kind.endswith("compiled"))
-    assert abs(measured / planned - 1) < 0.3, (measured / 2**20, planned / 2**20)
 
 
 HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
@@ -1059,3 +1004,14 @@ def test_a_data_error_mid_run_saves_the_last_good_step_and_the_rerun_resumes_it(
     monkeypatch.setattr(train_gpt2, "host_batch", real_host_batch)
     assert train_gpt2.main(args) == 0
     assert metrics(tmp_path / "out", "train_loss") == metrics(reference, "train_loss")
+
+
+def test_out_of_gpu_memory_is_one_line_saying_what_to_lower(data, tmp_path, monkeypatch):
+    def out_of_memory(cfg, restore_signals=True):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train_gpt2, "run", out_of_memory)
+    with pytest.raises(SystemExit) as stopped:
+        train_gpt2.cli(tiny(data, tmp_path / "out"))
+    assert str(stopped.value).startswith("train_gpt2.py: error: out of GPU memory; lower "
+                                         "local_batch_size")
