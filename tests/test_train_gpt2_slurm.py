@@ -24,9 +24,12 @@ PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "s
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 # a 4-layer model of one sequence per micro-step: ~40 ms a step on one core, so a run's length is set in steps
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, local_batch_size=1, val_every_steps=50, ckpt_every_steps=50)
-SHORT_STEPS = 200  # the requeue and scancel runs; they are interrupted after STOP_AFTER steps
-STOP_AFTER = 70  # past the periodic checkpoint at 50, so the stop writes a checkpoint of its own
-TIME_LIMIT_TRAIN_S = 140  # the time-limit run's training time: more than the first 2-minute slot can hold
+SHORT_STEPS = 100  # the requeue and scancel runs; they are interrupted after STOP_AFTER steps
+STOP_AFTER = 60  # past the periodic checkpoint at 50, so the stop writes a checkpoint of its own
+# the time-limit run's training time at the pace measured before it starts, more than its first slot holds (the
+# warning comes 90 to 120 s after the start, less the start-up) so that it is requeued at least once; beside the
+# other jobs it runs slower than that pace and may need a third slot
+TIME_LIMIT_TRAIN_S = 125
 REQUEUE_WAIT_S = 20  # Slurm restarts a requeued job after cred_expire (5 s here) and a scheduler pass
 
 
@@ -166,25 +169,47 @@ def slurm(tmp_path_factory):
         stop_daemons(slurm)
 
 
-def reference(data, out_dir, steps):
-    """An uninterrupted run of the same config, run directly (one process, as each job's torchrun runs one)."""
+def start_reference(data, out_dir, steps):
+    """An uninterrupted run of the same config, started directly (one process, as each job's torchrun runs one)."""
     cmd = [sys.executable, os.path.join(ROOT, "train_gpt2.py"), *tiny(data, out_dir, max_steps=steps, **MODEL)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(out_dir + ".out", "w") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def reference_losses(proc, out_dir):
+    try:
+        assert proc.wait(timeout=900) == 0, read(out_dir + ".out")[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
     return metrics(out_dir, "train_loss")
 
 
-def seconds_per_step(out_dir):
-    """The wall time of a step in a finished run, evaluation and checkpoints included, from metrics.jsonl."""
-    times = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            record = json.loads(line)
-            if "train_loss" in record:
-                times[record["step"]] = record["time"]
-    first, last = 20, max(times)
-    return (times[last] - times[first]) / (last - first)
+def reference(data, out_dir, steps):
+    return reference_losses(start_reference(data, out_dir, steps), out_dir)
+
+
+def step_times(out_dir):
+    """{step: time} of the train steps a running run has logged so far (whole lines of metrics.jsonl)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        lines = [line for line in f.readlines() if line.endswith("\n")]
+    return {r["step"]: r["time"] for r in map(json.loads, lines) if "train_loss" in r}
+
+
+def seconds_per_step(proc, out_dir, first=20, last=60, timeout=300):
+    """The wall time of a step of a running reference, evaluation and checkpoints included, from metrics.jsonl."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        times = step_times(out_dir)
+        if last in times:
+            return (times[last] - times[first]) / (last - first)
+        assert proc.poll() is None, read(out_dir + ".out")[-3000:]
+        time.sleep(0.2)
+    raise TimeoutError(f"the reference run never reached step {last}")
 
 
 def read(path):
@@ -196,8 +221,7 @@ def wait_for_step(slurm, job_id, out_dir, step, timeout=300):
     """Wait until the job's run has logged the train loss of `step`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        path = os.path.join(out_dir, "metrics.jsonl")
-        if os.path.exists(path) and max(metrics(out_dir, "train_loss"), default=-1) >= step:
+        if max(step_times(out_dir), default=-1) >= step:
             return
         assert slurm.job(job_id)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job(job_id)
         time.sleep(0.2)
@@ -219,9 +243,7 @@ def requeue_run(slurm, data, base):
                 metrics_after=read(os.path.join(out, "metrics.jsonl")))
 
 
-def time_limit_run(slurm, data, base, steps):
-    out, log = str(base / "time_limit"), str(base / "time_limit.out")
-    job_id = slurm.sbatch(log, tiny(data, out, max_steps=steps, **MODEL), "--time=3", "--signal=B:USR1@60")
+def time_limit_run(slurm, job_id, out, log):
     ended = slurm.wait_end(job_id, timeout=900)
     return dict(ended=ended, losses=metrics(out, "train_loss"), output=read(log))
 
@@ -256,16 +278,22 @@ def scenarios(slurm, tmp_path_factory):
     data = str(base / "shakespeare_bytes")
     write_byte_dataset(data)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=6)
-    runs = dict(bad_key=pool.submit(bad_key_run, slurm, data, base))
-    short = reference(data, str(base / "reference_short"), SHORT_STEPS)
-    # the time-limit run must outlast its first slot on this machine: its length in steps comes from the
-    # reference's pace (the job runs beside the others, as the reference ran beside the bad key's job)
-    steps = max(SHORT_STEPS, round(TIME_LIMIT_TRAIN_S / seconds_per_step(str(base / "reference_short"))))
-    runs["time_limit"] = pool.submit(time_limit_run, slurm, data, base, steps)
-    runs["requeue"] = pool.submit(requeue_run, slurm, data, base)
-    runs["scancel"] = pool.submit(scancel_run, slurm, data, base)
-    runs["reference_long"] = pool.submit(reference, data, str(base / "reference_long"), steps)
-    yield dict(runs, reference_short=short)
+    runs = dict(bad_key=pool.submit(bad_key_run, slurm, data, base))  # a job of seconds, on one CPU
+    short = str(base / "reference_short")
+    proc = start_reference(data, short, SHORT_STEPS)
+    try:
+        # the time-limit run must outlast its first slot: its length in steps comes from the reference's pace (the
+        # job then runs beside the others as the reference runs beside the bad key's job); it takes the other CPU
+        steps = max(SHORT_STEPS, round(TIME_LIMIT_TRAIN_S / seconds_per_step(proc, short)))
+        out, log = str(base / "time_limit"), str(base / "time_limit.out")
+        job_id = slurm.sbatch(log, tiny(data, out, max_steps=steps, **MODEL), "--time=3", "--signal=B:USR1@60")
+        runs["time_limit"] = pool.submit(time_limit_run, slurm, job_id, out, log)
+        runs["reference_long"] = pool.submit(reference, data, str(base / "reference_long"), steps)
+        runs["requeue"] = pool.submit(requeue_run, slurm, data, base)
+        runs["scancel"] = pool.submit(scancel_run, slurm, data, base)
+    finally:
+        short_losses = reference_losses(proc, short)
+    yield dict(runs, reference_short=short_losses)
     pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -296,8 +324,9 @@ def test_scancel_checkpoints_ends_the_job_for_good_and_a_new_sbatch_resumes(scen
     seen = scenarios["scancel"].result()
     for job in (seen["ended"], seen["later"]):
         assert job["JobState"] == "CANCELLED" and job["Restarts"] == "0", job
-    newest = int(seen["checkpoints"][-1].split("_")[1])
-    assert newest > STOP_AFTER and newest % MODEL["ckpt_every_steps"], (seen["checkpoints"], seen["output"][-3000:])
+    # the stop's checkpoint, at the step in progress: past the last periodic one (at 50)
+    stop = int(re.search(r"^stopped by a signal at step (\d+)", seen["output"], re.M).group(1))
+    assert stop > STOP_AFTER and seen["checkpoints"][-1] == f"step_{stop:08d}", (seen["checkpoints"], stop)
     assert seen["resumed"]["JobState"] == "COMPLETED", seen["resumed"]
     assert seen["losses"] == scenarios["reference_short"]
 
