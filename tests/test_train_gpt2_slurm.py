@@ -101,10 +101,13 @@ class Slurm:
         return dict(re.findall(r"(\w+)=(\S*)", self("scontrol", "--oneliner", "show", "job", job_id)))
 
     def wait_end(self, job_id, timeout):
+        """The job's fields once it has ended and its processes are gone (a cancelled job is CANCELLED at once, and
+        COMPLETING while its run writes the checkpoint)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             job = self.job(job_id)
-            if job["JobState"] in ENDED:
+            if job["JobState"] in ENDED and "COMPLETING" not in self("squeue", "--noheader", f"--jobs={job_id}",
+                                                                    "--format=%T", check=False):
                 return job
             time.sleep(1)
         raise TimeoutError(f"job {job_id} did not end in {timeout} s: {job}")
@@ -184,10 +187,6 @@ def reference_losses(proc, out_dir):
         proc.kill()
         proc.wait()
     return metrics(out_dir, "train_loss")
-
-
-def reference(data, out_dir, steps):
-    return reference_losses(start_reference(data, out_dir, steps), out_dir)
 
 
 def step_times(out_dir):
@@ -281,6 +280,7 @@ def scenarios(slurm, tmp_path_factory):
     runs = dict(bad_key=pool.submit(bad_key_run, slurm, data, base))  # a job of seconds, on one CPU
     short = str(base / "reference_short")
     proc = start_reference(data, short, SHORT_STEPS)
+    procs = [proc]
     try:
         # the time-limit run must outlast its first slot: its length in steps comes from the reference's pace (the
         # job then runs beside the others as the reference runs beside the bad key's job); it takes the other CPU
@@ -288,12 +288,16 @@ def scenarios(slurm, tmp_path_factory):
         out, log = str(base / "time_limit"), str(base / "time_limit.out")
         job_id = slurm.sbatch(log, tiny(data, out, max_steps=steps, **MODEL), "--time=3", "--signal=B:USR1@60")
         runs["time_limit"] = pool.submit(time_limit_run, slurm, job_id, out, log)
-        runs["reference_long"] = pool.submit(reference, data, str(base / "reference_long"), steps)
+        long = str(base / "reference_long")
+        procs.append(start_reference(data, long, steps))
+        runs["reference_long"] = pool.submit(reference_losses, procs[-1], long)
         runs["requeue"] = pool.submit(requeue_run, slurm, data, base)
         runs["scancel"] = pool.submit(scancel_run, slurm, data, base)
     finally:
         short_losses = reference_losses(proc, short)
     yield dict(runs, reference_short=short_losses)
+    for proc in procs:  # still running only when a test failed early
+        proc.kill()
     pool.shutdown(wait=False, cancel_futures=True)
 
 
