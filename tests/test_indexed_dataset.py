@@ -18,7 +18,7 @@ import pytest
 
 import indexed_dataset
 from conftest import ROOT, corrupt, deny_writes, random_documents, write_ours
-from indexed_dataset import (BlendedDataset, BuildStopped, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
+from indexed_dataset import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
                              LLMCValWindows, PretrainingSampler, blending_indices, build_gpt_datasets,
                              first_samples_agree, gpt_indices, one_epoch_samples, resolve_blend, sequential_samples,
                              split_matrix, split_range, token_weighted_blend)
@@ -444,24 +444,6 @@ def test_blending_indices_at_scale():
         ours = blending_indices(counts.tolist())
         np.testing.assert_array_equal(ours[0], dataset_index)
         np.testing.assert_array_equal(ours[1], dataset_sample_index)
-
-
-def test_a_blend_build_stops_when_asked():
-    stop = threading.Event()
-    stop.set()  # as build_gpt_datasets does when the build a blend is part of fails
-    with pytest.raises(BuildStopped):
-        blending_indices([0.5, 0.5], 1_000_000, stop=stop)
-
-
-def test_a_failed_build_stops_its_blend(tmp_path):
-    """A weighted blend is built in a thread beside its datasets; when one of them fails, so does the blend's build:
-    the user reads that dataset's error, and the cache keeps no blend."""
-    [prefix] = make_prefixes(tmp_path, 1)
-    empty = write_ours(str(tmp_path / "empty"), [(np.zeros(0, np.int64), [0])])  # one sequence, of no tokens
-    with pytest.raises(ValueError, match=r"empty: its train split .* has no tokens"):
-        build_gpt_datasets(["1", empty, "1", prefix], seq_length=16, split="100,0,0", sizes=(3_000_000, 0, 0),
-                           cache_dir=str(tmp_path / "cache"))
-    assert not glob.glob(str(tmp_path / "cache" / "*BlendedDataset*"))
 
 
 @pytest.mark.parametrize("num_samples, add_extra_token", [(None, True), (1_200_000, True), (500_000, False)])
