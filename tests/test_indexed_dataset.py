@@ -115,15 +115,15 @@ def test_empty_dataset(tmp_path):
 
 def test_builder_rejects_bad_documents(tmp_path):
     builder = IndexedDatasetBuilder(str(tmp_path / "x.bin"), np.uint16)
-    with pytest.raises(ValueError, match=r"x\.bin: token 70000 does not fit .*uint16"):
+    with pytest.raises(ValueError, match=r"x\.bin: tokens int64 \[70000\] do not fit .*uint16"):
         builder.add_document([1, 70000])
-    with pytest.raises(ValueError, match=r"x\.bin: token -1 does not fit"):
+    with pytest.raises(ValueError, match=r"x\.bin: tokens int64 \[-1\] do not fit"):
         builder.add_document([-1, 2])
     with pytest.raises(ValueError, match="do not add up"):
         builder.add_document([1, 2, 3], [1, 1])
     with pytest.raises(ValueError, match="1-D"):
         builder.add_document([[1, 2]])
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(ValueError, match="do not fit"):
         builder.add_document([1.5])
 
 
@@ -140,15 +140,15 @@ def test_rebuilding_a_prefix_removes_its_old_index_first(dataset):
 
 @pytest.mark.parametrize("damage, error", [
     (dict(suffix=".idx", offset=0, data=b"NOTANIDX!"), r"data_text_document\.idx: not a Megatron indexed dataset"),
-    (dict(suffix=".idx", offset=9, data=struct.pack("<Q", 2)), r"\.idx: unsupported index version 2"),
-    (dict(suffix=".idx", offset=17, data=bytes([9])), r"\.idx: unknown dtype code 9"),
+    (dict(suffix=".idx", offset=9, data=struct.pack("<Q", 2)), r"\.idx: not a Megatron .* version 2"),
+    (dict(suffix=".idx", offset=17, data=bytes([9])), r"\.idx: not a Megatron .* dtype code 9"),
     (dict(suffix=".idx", size=20), r"\.idx: truncated: 20 bytes, less than the 34-byte header"),
     (dict(suffix=".idx", size=0), r"\.idx: truncated: 0 bytes"),
-    (dict(suffix=".idx", size=1000), r"\.idx: truncated: its header announces \d+ sequences"),
-    (dict(suffix=".idx", append=b"xx"), r"\.idx: 2 bytes after the document boundaries"),
-    (dict(suffix=".idx", offset=18, data=struct.pack("<Q", 10)), r"\.idx: \d+ bytes after .* \(10 sequences"),
-    (dict(suffix=".bin", size=100), r"data_text_document\.bin: 100 bytes, shorter than the \d+ bytes its index"),
-    (dict(suffix=".bin", size=101), r"\.bin: 101 bytes is not a whole number of uint16 tokens"),
+    (dict(suffix=".idx", size=1000), r"\.idx: truncated or corrupt: its header announces \d+ sequences .* not 1000"),
+    (dict(suffix=".idx", append=b"xx"), r"\.idx: truncated or corrupt: .*, (\d+) bytes, not (?!\1)\d+"),
+    (dict(suffix=".idx", offset=18, data=struct.pack("<Q", 10)), r"\.idx: truncated or corrupt: .*10 sequences"),
+    (dict(suffix=".bin", size=100), r"data_text_document\.bin: 100 bytes, not the \d+ bytes its index"),
+    (dict(suffix=".bin", size=101), r"\.bin: 101 bytes, not the \d+ bytes its index"),
 ])
 def test_bad_files_raise_naming_the_file(dataset, damage, error):
     corrupt(dataset, **damage)
@@ -167,12 +167,13 @@ def index_layout(prefix):
 # one defect each: the index disagrees with itself or with the .bin, which would otherwise train silently
 @pytest.mark.parametrize("defect, error", [
     ("dtype code", r"data_text_document\.idx: corrupt: sequence \d+ starts at byte \d+ of the \.bin, but the lengths "
-                   r"before it put it at byte \d+ \(uint8 tokens\): a wrong dtype code"),
+                   r"before it put it at \d+ \(uint8 tokens\): a wrong dtype"),
     ("length", r"\.idx: corrupt: sequence 4 starts at byte \d+ of the \.bin, but the lengths before it put it at"),
     ("pointer", r"\.idx: corrupt: sequence 7 starts at byte 1 of the \.bin"),
-    ("negative length", r"\.idx: corrupt: sequence 2 has a negative length -5"),
-    ("longer bin", r"data_text_document\.bin: \d+ bytes, longer than the \d+ bytes its index .*\.idx says"),
-    ("document count", r"data_text_document\.idx: truncated: its header announces \d+ sequences and \d+ documents"),
+    ("negative length", r"\.idx: corrupt: sequence 3 starts at byte \d+ of the \.bin"),
+    ("longer bin", r"data_text_document\.bin: \d+ bytes, not the \d+ bytes its index .*\.idx says"),
+    ("document count", r"data_text_document\.idx: truncated or corrupt: its header announces \d+ sequences and \d+ "
+                       r"documents"),
     ("decreasing boundaries", r"\.idx: corrupt: document boundaries decrease"),
 ])
 def test_inconsistent_index_raises_on_open(dataset, defect, error):
@@ -209,7 +210,7 @@ def test_missing_files(dataset, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope_\*: the glob matches no \.bin/\.idx files; write the token "
                                                 r"files with prepare_fineweb\.py"):
         resolve_blend(str(tmp_path / "nope_*"))
-    with pytest.raises(FileNotFoundError, match=r"nope\.bin\.idx: no such file \(give the prefix, without"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.bin\.idx: no such file; .* \(a prefix has no \.bin/\.idx\)"):
         IndexedDataset(str(tmp_path / "nope.bin"))
 
 
@@ -227,20 +228,17 @@ def test_paths_glob_and_blend_list(tmp_path):
     assert resolve_blend(["30", " p0", "70", "p1 "]) == (["p0", "p1"], [30.0, 70.0])
     assert resolve_blend(["p0", "p1"]) == (["p0", "p1"], None)
     assert resolve_blend(["p0", "p1", "p2"]) == (["p0", "p1", "p2"], None)
-    with pytest.raises(ValueError, match=r"weight 'x' is not a number"):
+    with pytest.raises(ValueError, match=r"alternate weight, prefix"):
         resolve_blend(["30", "p0", "x", "p1"])
-    with pytest.raises(ValueError, match="positive finite"):
+    with pytest.raises(ValueError, match="each weight a positive number"):
         resolve_blend(["30", "p0", "-5", "p1"])
     with pytest.raises(ValueError, match="needs a size for every split"):
         build_gpt_datasets(["1", str(tmp_path / "a_text_document")], seq_length=4, split="1,1", sizes=(4, None, None))
 
 
-@pytest.mark.parametrize("blend, error", [
-    (["0.3", "a", "0.7"], "3 entries"), (["0.5", "a", "b"], "3 entries"),
-    (["a", "30", "b", "70"], "weight 'a' is not a number"),  # prefix and weight swapped
-])
-def test_a_blend_list_that_does_not_alternate_is_one_error_naming_it(blend, error):
-    with pytest.raises(ValueError, match=re.escape(f"blend list {blend}: {error}; it must alternate weight, prefix")):
+@pytest.mark.parametrize("blend", [["0.3", "a", "0.7"], ["0.5", "a", "b"], ["a", "30", "b", "70"]])
+def test_a_blend_list_that_does_not_alternate_is_one_error_naming_it(blend):
+    with pytest.raises(ValueError, match=re.escape(f"blend list {blend}: it must alternate weight, prefix")):
         resolve_blend(blend)
 
 
@@ -850,9 +848,8 @@ def test_blend_weights_are_logged_when_the_blend_is_built(tmp_path, capfd):
     capfd.readouterr()
     train = build_gpt_datasets(["1", a, "3", b], seq_length=16, split="1", sizes=(500, 0, 0))[0]
     err = capfd.readouterr().err
-    for d, (prefix, weight) in enumerate(((a, "0.25"), (b, "0.75"))):
-        drawn = int((train.dataset_index == d).sum())
-        assert f"indexed_dataset: train blend: {prefix}: weight {weight}, {drawn:,} samples\n" in err
+    drawn = [int((train.dataset_index == d).sum()) for d in range(2)]
+    assert "train blend of 500 samples built in" in err and f": {a} {drawn[0]:,}, {b} {drawn[1]:,}\n" in err
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -889,7 +886,7 @@ def test_cli_info_and_verify(tmp_path, capsys):
     corrupt(prefixes[1], ".bin", append=b"\0\0")
     status, out, err = cli(capsys, "verify", prefixes[1])
     assert status == 1
-    assert f"{prefixes[1]}.bin: {2 * tokens + 2} bytes, longer than the {2 * tokens} bytes its index" in err
+    assert f"{prefixes[1]}.bin: {2 * tokens + 2} bytes, not the {2 * tokens} bytes its index" in err
 
     status, out, err = cli(capsys, "info", str(tmp_path / "missing"))
     assert status == 1 and "missing.idx: no such file" in err
