@@ -1,5 +1,5 @@
-"""Publish a file absent or complete: write a temporary beside it, fsync it, rename it over the
-final name, fsync the directory; a crash leaves the old file or none. Also a run's lock file."""
+"""Publish a file absent or complete: write a temporary beside it, fsync it, rename it over the final
+name, fsync the directory; a crash leaves the old file or none. Also a run's lock file."""
 import contextlib
 import fcntl
 import os
@@ -24,13 +24,12 @@ class LockHeld(Exception):
 
 
 def lock_file(path):
-    """Flock `path` (made if absent), write our pid and host into it and return its descriptor, or
-    raise LockHeld. Our death drops the lock (on NFS and Lustre across nodes too)."""
+    """Flock `path`, write our pid and host in it, return its descriptor; LockHeld if another has it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held = not os.fstat(fd).st_nlink  # its holder removed it between our open and flock
-    except (BlockingIOError, PermissionError):
+    except (BlockingIOError, PermissionError):  # held by another process
         held = True
     if held:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
@@ -73,10 +72,9 @@ def fsync_dir(path):
 
 
 @contextlib.contextmanager
-def atomic_path(path, errors=OSError):
-    """Yield a temporary name; when the block succeeds, fsync it, rename it over `path` and fsync
-    the directory. The name holds the host and a random part, not the pid, which writers in other
-    containers may share; we hold its flock while we write, so remove_stale_temporaries leaves it."""
+def atomic_path(path, errors=OSError, durable=True):
+    """Yield a temporary name (host and random: containers share pids), flocked while written so that
+    remove_stale_temporaries leaves it; on success fsync it unless not `durable`, rename it to `path`."""
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{os.uname().nodename}.{secrets.token_hex(4)}.tmp")
     fd = None
@@ -84,7 +82,8 @@ def atomic_path(path, errors=OSError):
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         fcntl.flock(fd, fcntl.LOCK_EX)  # a cleaner may hold it a moment, but leaves it: it is empty
         yield tmp
-        os.fsync(fd)  # the file the block wrote by name
+        if durable:
+            os.fsync(fd)  # the file the block wrote by name
         os.replace(tmp, path)
     except WriteError:  # a nested publish (prepare_fineweb's .idx inside its .bin) names its file
         raise
@@ -95,13 +94,14 @@ def atomic_path(path, errors=OSError):
             os.remove(tmp)
         if fd is not None:
             os.close(fd)
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 @contextlib.contextmanager
-def atomic_write(path, mode="wb", **open_kwargs):
+def atomic_write(path, mode="wb", durable=True, **open_kwargs):
     """`with atomic_write(path) as f: f.write(...)`: `path` appears, whole, when the block succeeds."""
-    with atomic_path(path) as tmp, open(tmp, mode, **open_kwargs) as f:
+    with atomic_path(path, durable=durable) as tmp, open(tmp, mode, **open_kwargs) as f:
         yield f
 
 

@@ -480,16 +480,17 @@ def key_digest(key):
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def sampled_checksum(values, samples=4096):
-    """A CRC of `samples` evenly spaced elements: it catches an array cut short, zeroed or
-    overwritten in any sizeable part, and a warm start reads a few thousand pages, not the cache."""
-    flat = values.reshape(-1)
-    picks = np.linspace(0, len(flat) - 1, num=min(samples, len(flat))).astype(np.int64)
-    return zlib.crc32(np.ascontiguousarray(flat[picks]).tobytes())
+def sampled_checksum(path, offset, itemsize, count, samples=256):
+    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`. It catches an
+    array zeroed or overwritten in any sizeable part at the cost of a few hundred reads; pread keeps
+    the pages out of this process, where a mapping would keep the whole cache resident."""
+    picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
+    with open(path, "rb") as f:
+        return zlib.crc32(b"".join(os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()))
 
 
 def write_json(path, content):
-    with atomic_write(path, "w") as f:
+    with atomic_write(path, "w", durable=False) as f:  # a cache file: checked on loading
         json.dump(content, f, indent=1)
 
 
@@ -515,7 +516,8 @@ def load_entry(base, key, layout):
         arrays[name] = np.load(f"{base}-{name}.npy", mmap_mode="r")
         if arrays[name].dtype != dtype or arrays[name].shape != shape:
             raise ValueError(f"{name} is {arrays[name].dtype} {arrays[name].shape}, not {dtype} {shape}")
-        if sampled_checksum(arrays[name]) != checksums[name]:
+        values = arrays[name]
+        if sampled_checksum(values.filename, values.offset, values.itemsize, values.size) != checksums[name]:
             raise ValueError(f"{name} holds other values than were written")
     return arrays
 
@@ -534,13 +536,16 @@ def cached(cache_dir, name, key, layout, build):
     seconds = time.perf_counter() - t0
     if cache_dir is not None and node_leader():
         make_cache_dir(cache_dir)
+        checksums = {}
         for array_name, values in arrays.items():
-            with atomic_write(f"{base}-{array_name}.npy") as f:
+            path, values = f"{base}-{array_name}.npy", np.ascontiguousarray(values)
+            # Not fsynced (as megatron's are not): load_entry checks what a crash may have left.
+            with atomic_write(path, durable=False) as f:
                 # Written through f.write, since np.save reports a full disk as a short count only.
-                values = np.ascontiguousarray(values)
                 np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(values))
+                offset = f.tell()
                 f.write(memoryview(values.reshape(-1)).cast("B"))
-        checksums = {array_name: sampled_checksum(v) for array_name, v in arrays.items()}
+            checksums[array_name] = sampled_checksum(path, offset, values.itemsize, values.size)
         write_json(base + ".json", {"key": key, "arrays": checksums})
     return arrays, seconds
 

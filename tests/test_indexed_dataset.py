@@ -1,15 +1,16 @@
 """indexed_dataset.py against megatron-core 0.16.1: the .bin/.idx bytes, and GPT sampling and blending (the same index
 arrays, the same samples, the same order); bad input named in one line, the index cache, the validation views, the
 sampler, the source of a sample, data fingerprints and the info / verify command line."""
+import errno
 import glob
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import warnings
 
@@ -526,25 +527,43 @@ def test_cache_is_built_once_then_loaded(dataset, tmp_path, capfd):
     assert len(os.listdir(cache)) == 3 * 4 + 1 + 4
 
 
-@pytest.mark.parametrize("damage", ["truncate", "description", "missing"])
+def damage_cache_entry(cache, damage):
+    """Damage the train split's cache entry as a crash, a full disk or a stray tool might."""
+    [sample_index] = glob.glob(os.path.join(cache, "*-GPTDataset-train-sample_index.npy"))
+    base = sample_index[:-len("-sample_index.npy")]
+    description = json.load(open(base + ".json"))
+    if damage == "truncate":
+        corrupt(base, "-sample_index.npy", size=os.path.getsize(sample_index) // 2)
+    elif damage == "key":
+        description["key"]["seed"] += 1
+    elif damage == "missing":
+        os.remove(sample_index)
+    elif damage == "short shuffle_index":  # a whole .npy of the wrong length
+        np.save(base + "-shuffle_index.npy", np.arange(10, dtype=np.uint32))
+    elif damage == "zeroed payload":  # the .npy header intact, the values gone
+        header = len(open(sample_index, "rb").read()) - np.load(sample_index).nbytes
+        corrupt(base, "-sample_index.npy", offset=header, data=bytes(np.load(sample_index).nbytes))
+    elif damage == "two of three arrays":
+        del description["arrays"]["document_index"]
+    elif damage == "not json":
+        corrupt(base, ".json", size=10)
+    if damage in ("key", "two of three arrays"):
+        json.dump(description, open(base + ".json", "w"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "key", "missing", "short shuffle_index", "zeroed payload",
+                                    "two of three arrays", "not json"])
 def test_damaged_cache_is_rebuilt(dataset, tmp_path, capfd, damage):
+    """Whatever is wrong with an entry, the run rebuilds it with one log line: never a traceback, never wrong
+    samples (docs/data.md promises it)."""
     cache = str(tmp_path / "cache")
     expected = build(dataset, None)
     build(dataset, cache)
     capfd.readouterr()
-    [sample_index] = glob.glob(os.path.join(cache, "*-GPTDataset-train-sample_index.npy"))
-    if damage == "truncate":
-        corrupt(sample_index[:-len(".npy")], ".npy", size=os.path.getsize(sample_index) // 2)
-    elif damage == "description":
-        description_path = sample_index.replace("-sample_index.npy", ".json")
-        description = json.load(open(description_path))
-        description["key"]["seed"] += 1
-        json.dump(description, open(description_path, "w"))
-    else:
-        os.remove(sample_index)
+    damage_cache_entry(cache, damage)
     rebuilt = build(dataset, cache)
     err = capfd.readouterr().err
-    assert "ignoring the cached indices" in err and err.count("built in") == 1
+    assert err.count("ignoring the cached indices") == 1 and err.count("built in") == 1, err
     assert all(same_samples(a, b) for a, b in zip(expected, rebuilt))
     build(dataset, cache)
     assert capfd.readouterr().err == ""  # the repaired entry is used
@@ -978,3 +997,102 @@ def test_prefixes_holding_the_same_data_share_one_cache_entry(tmp_path):
     assert all(same_samples(a, b) for a, b in zip(built, loaded, strict=True))
     assert all(same_samples(a, b) for a, b in zip(built, build(prefixes, None), strict=True))
     assert len(glob.glob(os.path.join(cache, "*-GPTDataset-train.json"))) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Faults: a .bin cut short while read, writers in other containers, killed writers, a full disk
+
+
+def test_a_bin_cut_short_while_the_run_reads_it_is_an_error_naming_it(tmp_path):
+    prefix = write_ours(str(tmp_path / "d_text_document"), random_documents(np.random.default_rng(40), 300))
+    train = build_gpt_datasets(prefix, seq_length=16, split="1", sizes=(200, None, None))[0]
+    windows = sequential_samples(prefix, seq_length=16, split="1", split_index=0)
+    train[0], windows[0]
+    size = os.path.getsize(prefix + ".bin")
+    os.truncate(prefix + ".bin", 100)  # in place, as `truncate` or `cp new.bin old.bin` do; unread, it is SIGBUS
+    error = rf"{re.escape(prefix)}\.bin: shrank from {size} to 100 bytes while the run read it"
+    with pytest.raises(ValueError, match=error):
+        for i in range(len(train)):
+            train[i]
+    with pytest.raises(ValueError, match=error):
+        windows[len(windows) - 1]
+
+
+TWO_CONTAINERS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from indexed_dataset import build_gpt_datasets
+assert __import__("os").getpid() == 1  # as in a container: both writers have pid 1
+for seed in range(4):
+    build_gpt_datasets(sys.argv[2], seq_length=16, split="90,8,2", sizes=(20000, 1000, 300), seed=seed,
+                       cache_dir=sys.argv[3])
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare and root")
+def test_two_runs_in_their_own_pid_namespaces_share_a_cold_cache(tmp_path):
+    prefix = write_ours(str(tmp_path / "d_text_document"), random_documents(np.random.default_rng(41), 3000))
+    cache = str(tmp_path / "cache")
+    command = ["unshare", "--pid", "--fork", sys.executable, "-c", TWO_CONTAINERS, ROOT, prefix, cache]
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0 and out.strip() == "ok", err[-3000:]
+    assert not [name for name in os.listdir(cache) if name.endswith(".tmp")]
+    for seed in range(4):
+        built = build_gpt_datasets(prefix, seq_length=16, split="90,8,2", sizes=(20000, 1000, 300), seed=seed)
+        cached = build_gpt_datasets(prefix, seq_length=16, split="90,8,2", sizes=(20000, 1000, 300), seed=seed,
+                                    cache_dir=cache)
+        assert isinstance(cached[0].sample_index, np.memmap) and same_samples(built[1], cached[1])
+        assert np.array_equal(built[0].shuffle_index, cached[0].shuffle_index)
+
+
+KILLED_WRITER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from atomic_io import atomic_write
+with atomic_write(sys.argv[2]) as f:
+    f.write(bytes(1 << 20))
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_temporaries_of_a_killed_writer_are_removed_at_the_next_build(dataset, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    writers = [subprocess.Popen([sys.executable, "-c", KILLED_WRITER, ROOT, str(cache / f"{name}.npy")],
+                                stdout=subprocess.PIPE, text=True) for name in ("killed", "alive")]
+    try:
+        for writer in writers:
+            assert writer.stdout.readline() == "writing\n"
+        writers[0].kill()  # kill -9 while the cache is written
+        writers[0].wait()
+        assert len([name for name in os.listdir(cache) if name.endswith(".tmp")]) == 2
+        build(dataset, str(cache))
+        left = [name for name in os.listdir(cache) if name.endswith(".tmp")]
+        assert len(left) == 1 and left[0].startswith(".alive.npy."), left  # a live writer's stays
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_a_full_disk_while_the_cache_is_written_names_the_file_and_says_so(dataset, tmp_path):
+    cache = tmp_path / "small"
+    cache.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(cache)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(OSError) as raised:
+            build(dataset, str(cache), sizes=(40000, 100, 30))
+        assert raised.value.errno == errno.ENOSPC and raised.value.filename.startswith(str(cache))
+        assert re.fullmatch(rf"cannot write {re.escape(str(cache))}/\w+-GPTDataset-train-\w+\.npy: No space left on "
+                            r"device", str(raised.value))
+        assert not [name for name in os.listdir(cache) if name.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
