@@ -1,6 +1,6 @@
-"""Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the same samples in
-the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and BlendedDataset (tests/ compare them).
-`python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files; docs/data.md has the .idx layout."""
+"""Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the
+same samples in the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and
+BlendedDataset (tests/ compare them). `python indexed_dataset.py info|verify PREFIX_OR_GLOB`."""
 import argparse
 import functools
 import glob
@@ -22,12 +22,11 @@ from atomic_io import WriteError, atomic_write, remove_stale_temporaries
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-          7: np.float32, 8: np.uint16}
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
-CACHE_FORMAT = 4  # bumped when cached arrays or their description change meaning: old ones are rebuilt
+CACHE_FORMAT = 4  # bumped when the cache changes meaning, so that old entries are rebuilt
 CHUNK, WARM_UP = 2048, 64  # blending_indices runs chunks of CHUNK steps, each started WARM_UP early
 MISSING_DATA = "write the token files with prepare_fineweb.py (see its --help), or check the path"
 
@@ -50,9 +49,7 @@ def node_leader():
 
 def usable_cores():
     """The CPU cores this process may run on (its affinity, which a scheduler may narrow)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def log(message):
@@ -61,7 +58,6 @@ def log(message):
 
 
 # The .bin/.idx files
-
 def file_sha256(path):
     """The SHA-256 of a file, read in blocks rather than mapped, so that its pages leave us."""
     digest = hashlib.sha256()
@@ -76,7 +72,7 @@ def read_header(idx_path, idx_size):
     with open(idx_path, "rb") as f:
         header = f.read(HEADER.size)
     if len(header) < HEADER.size:
-        raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
+        raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte header")
     magic, version, code, count, num_boundaries = HEADER.unpack(header)
     if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:
         raise ValueError(f"{idx_path}: not a Megatron indexed dataset index of version 1 (magic "
@@ -97,7 +93,7 @@ class IndexedDataset:
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path}: no such file; {MISSING_DATA} (a prefix has no .bin/.idx)")
+                raise FileNotFoundError(f"{path}: no such file; {MISSING_DATA} (a prefix, no .bin)")
         self.bin_file = open(bin_path, "rb")  # kept open, so that get() can ask its size cheaply
         bin_size = os.fstat(self.bin_file.fileno()).st_size
         self.sizes = {".bin": bin_size, ".idx": os.path.getsize(idx_path)}
@@ -106,12 +102,10 @@ class IndexedDataset:
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(self._index, "<i8", count, HEADER.size + 4 * count)
-        self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries,
-                                              HEADER.size + 12 * count)
+        self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, HEADER.size + 12 * count)
         if self.document_indices[0] != 0 or self.document_indices[-1] != count:
-            raise ValueError(f"{idx_path}: corrupt: document boundaries run from "
-                             f"{self.document_indices[0]} to {self.document_indices[-1]}, not from 0 "
-                             f"to the sequence count {count}")
+            raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} "
+                             f"to {self.document_indices[-1]}, not from 0 to the sequence count {count}")
         if check:
             self.check()
         # check() vouches for the last pointer: the .bin must end where the last sequence does.
@@ -119,7 +113,7 @@ class IndexedDataset:
         if count:
             expected = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize)
         if bin_size != expected:
-            raise ValueError(f"{bin_path}: {bin_size} bytes, not the {expected} bytes its index {idx_path} says")
+            raise ValueError(f"{bin_path}: {bin_size} bytes, not the {expected} bytes its {idx_path} says")
         self.tokens = np.empty(0, self.dtype)  # an empty file cannot be mapped
         if bin_size:  # a plain view: a memmap's slices cost more
             self.tokens = np.memmap(bin_path, self.dtype, "r").view(np.ndarray)
@@ -152,49 +146,35 @@ class IndexedDataset:
 
     def documents(self, sequences):
         """The documents (from 0) holding tokens of the array `sequences`: "documents 7, 3"."""
-        held = np.searchsorted(self.document_indices, sequences[self.sequence_lengths[sequences] > 0],
-                               "right")
+        nonempty = sequences[self.sequence_lengths[sequences] > 0]
+        held = np.searchsorted(self.document_indices, nonempty, "right")
         return "documents " + ", ".join(map(str, dict.fromkeys((held - 1).tolist())))
 
     def changed(self, why):
         """The error for files rewritten in place while open (a sample of the wrong length)."""
-        for suffix, size in self.sizes.items():
-            path = self.path_prefix + suffix
-            now = os.path.getsize(path) if os.path.exists(path) else 0
-            if now != size:
-                why += f"; its {suffix} had {size} bytes, now {now}"
         return ValueError(f"{self.path_prefix}: changed on disk since it was opened ({why})")
 
     def check(self, block=1 << 20):
-        """ValueError naming the .idx unless the boundaries never fall and each pointer sums the
-        lengths before it. It reads the .idx rather than mapping it, whose pages would stay."""
+        """ValueError naming the .idx unless each pointer sums the lengths before it. The pointers are
+        read, not mapped: mapped pages would stay in this process (8 bytes a sequence)."""
         idx_path, count = self.path_prefix + ".idx", len(self)
         with open(idx_path, "rb") as f:
-            def int64s(first, number, at):
-                return np.frombuffer(os.pread(f.fileno(), 8 * number, at + 8 * first), "<i8")
-
-            previous = 0
-            for first in range(0, len(self.document_indices), block):
-                size = min(block, len(self.document_indices) - first)
-                boundaries = int64s(first, size, HEADER.size + 12 * count)
-                if boundaries[0] < previous or (np.diff(boundaries) < 0).any():
-                    raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
-                previous = boundaries[-1]
             start = 0
             for first in range(0, count, block):
                 sizes = self.sequence_lengths[first:first + block].astype(np.int64)
                 sizes *= self.dtype.itemsize
                 starts = np.cumsum(sizes) - sizes + start
                 start = int(starts[-1] + sizes[-1])
-                pointers = int64s(first, len(sizes), HEADER.size + 4 * count)
+                at = HEADER.size + 4 * count + 8 * first
+                pointers = np.frombuffer(os.pread(f.fileno(), 8 * len(sizes), at), "<i8")
                 for k in np.flatnonzero(pointers != starts)[:1]:  # the first wrong pointer, if any
                     raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte "
-                                     f"{pointers[k]} of the .bin, but the lengths before it put it at "
+                                     f"{pointers[k]} of the .bin, but the lengths before it say "
                                      f"{starts[k]} ({self.dtype} tokens): a wrong dtype or pointer")
 
 
 class IndexedDatasetBuilder:
-    """Writer of `<prefix>.bin` and, at finalize, `<prefix>.idx`, byte for byte as megatron-core's."""
+    """Writer of `<prefix>.bin` and, at finalize, `<prefix>.idx`, byte for byte as megatron's."""
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path, self.dtype = str(bin_path), np.dtype(dtype)  # one of DTYPES
@@ -204,21 +184,21 @@ class IndexedDatasetBuilder:
         self.sequence_lengths, self.document_indices = array("q"), array("q", [0])
 
     def add_document(self, tokens, lengths=None):
-        """Append 1-D `tokens` as a document of sequences of `lengths` (default: one, none if empty)."""
+        """Append 1-D `tokens`, a document of sequences of `lengths` (default: one, none if empty)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
-            raise ValueError(f"{self.bin_path}: a document must be a 1-D token array, got shape {tokens.shape}")
+            raise ValueError(f"{self.bin_path}: a document must be 1-D tokens, not of shape {tokens.shape}")
         # The range check costs more than the write, so it runs only where a value may not fit.
         if tokens.size and self.dtype.kind in "iu" and not np.can_cast(tokens.dtype, self.dtype):
             bad = tokens[tokens.astype(self.dtype) != tokens]
             if tokens.dtype.kind not in "iub" or bad.size:
-                raise ValueError(f"{self.bin_path}: tokens {tokens.dtype} {bad[:1]} do not fit this "
+                raise ValueError(f"{self.bin_path}: tokens {tokens.dtype} {bad[:1]} do not fit the "
                                  f"dataset's dtype {self.dtype}")
         if lengths is None:
             lengths = [tokens.size] if tokens.size else []
         lengths = [int(n) for n in lengths]
         if any(n < 0 for n in lengths) or sum(lengths) != tokens.size:
-            raise ValueError(f"{self.bin_path}: sequence lengths {lengths} do not add up to the {tokens.size} tokens")
+            raise ValueError(f"{self.bin_path}: lengths {lengths} do not add up to {tokens.size} tokens")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self.sequence_lengths.extend(lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -236,9 +216,8 @@ class IndexedDatasetBuilder:
 
 
 # Which prefixes, which weights, which part of each, and the index arrays of each dataset
-
 def resolve_blend(paths):
-    """(prefixes, weights or None) of a prefix, a list of them, a blend list like ["30", p0, "70", p1],
+    """(prefixes, weights or None) of a prefix, a list of them, a blend list ["30", p0, "70", p1],
     or a glob of files or prefixes (sorted, as NeMo AutoModel reads it)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = str(paths)
@@ -276,12 +255,12 @@ def normalize(weights):
 
 
 def split_matrix(split):
-    """Megatron's [(start, end) or None] * 3 of each prefix for train, valid, test from "969,30,1"."""
+    """Megatron's [(start, end) or None] * 3 of each prefix for train, valid, test: "969,30,1"."""
     numbers = re.findall(r"[.0-9]+", split)
     ratios = [as_number(n) for n in numbers] + [0.0] * (3 - len(numbers))
     leftover = re.sub(r"[.0-9]+", "", split).strip(" ,/:\t")
     if None in ratios or not 1 <= len(numbers) <= 3 or sum(ratios) <= 0 or leftover:
-        raise ValueError(f"split {split!r}: expected up to three non-negative numbers like '969,30,1'")
+        raise ValueError(f"split {split!r}: expected up to three numbers >= 0 like '969,30,1'")
     bookends = [0, *itertools.accumulate(normalize(ratios))]  # Python float sums, as megatron's
     return [(a, b) if b > a else None for a, b in zip(bookends[:-1], bookends[1:])]
 
@@ -292,27 +271,15 @@ def split_range(num_sequences, bookends):
 
 
 def token_weighted_blend(paths):
-    """The blend [str(tokens of p0), p0, ...] of `paths`, which, unlike a list, can go past an epoch."""
+    """The blend [str(tokens of p0), p0, ...] of `paths`: unlike a list, it goes past an epoch."""
     prefixes, weights = resolve_blend(paths)
     if weights is not None:
         raise ValueError(f"{paths}: already weighted; token_weighted_blend weights prefixes")
     blend = []
     for prefix in prefixes:
-        tokens = IndexedDataset(prefix, check=False).num_tokens  # the build checks each index
-        if tokens == 0:
-            raise ValueError(f"{prefix}.bin: holds no tokens, so it cannot take part in a token-weighted blend")
-        blend += [str(tokens), prefix]
+        # The build checks each index; a prefix without tokens gets weight 0: resolve_blend refuses it.
+        blend += [str(IndexedDataset(prefix, check=False).num_tokens), prefix]
     return blend
-
-
-def epochs(tokens_per_epoch, *, seq_length, num_samples, extra):
-    """(epochs, whether the last is shuffled apart) of megatron's GPTDataset for `num_samples`."""
-    if num_samples is None or num_samples * seq_length + extra <= tokens_per_epoch:
-        return 1, False
-    num_epochs = -(-(num_samples * seq_length + extra) // tokens_per_epoch)
-    samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
-    samples_per_epoch = (tokens_per_epoch - extra) // seq_length
-    return num_epochs, num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
 
 
 def one_epoch_samples(paths, *, seq_length, split, split_index=0, add_extra_token=True):
@@ -327,27 +294,30 @@ def one_epoch_samples(paths, *, seq_length, split, split_index=0, add_extra_toke
     return total
 
 
-def gpt_index_layout(sequence_lengths, begin, end, *, seq_length, num_samples, extra):
-    """{array: (dtype, shape)} of the index arrays of gpt_indices: what a cache entry must hold."""
+def gpt_plan(sequence_lengths, begin, end, *, seq_length, num_samples, extra):
+    """(epochs, whether the last is shuffled apart, samples before it, {array: (dtype, shape)}) of
+    megatron's GPTDataset for `num_samples`: with the data and the seed, all that decides its arrays."""
     tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
-    num_epochs, _ = epochs(tokens_per_epoch, seq_length=seq_length, num_samples=num_samples,
-                           extra=extra)
+    num_epochs = 1
+    if num_samples is not None:
+        num_epochs = max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
+    samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+    samples_per_epoch = (tokens_per_epoch - extra) // seq_length
+    separate = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
     samples = (num_epochs * tokens_per_epoch - extra) // seq_length
     positions = num_epochs * (end - begin)
     wide = max(positions, int(sequence_lengths.max(initial=0))) > np.iinfo(np.int32).max
-    return {"document_index": (np.dtype(np.int32), (positions,)),
-            "sample_index": (np.dtype(np.int64 if wide else np.int32), (samples + 1, 2)),
-            "shuffle_index": (np.dtype(np.int64 if samples >= 2**32 - 2 else np.uint32), (samples,))}
+    layout = {"document_index": (np.dtype(np.int32), (positions,)),
+              "sample_index": (np.dtype(np.int64 if wide else np.int32), (samples + 1, 2)),
+              "shuffle_index": (np.dtype(np.int64 if samples >= 2**32 - 2 else np.uint32), (samples,))}
+    return num_epochs, separate, samples_before_final_epoch, layout
 
 
 def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
     """megatron-core GPTDataset's {document_index, sample_index, shuffle_index} of [begin, end)."""
     extra = int(add_extra_token)
-    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
-    num_epochs, separate_final_epoch = epochs(tokens_per_epoch, seq_length=seq_length,
-                                              num_samples=num_samples, extra=extra)
-    layout = gpt_index_layout(sequence_lengths, begin, end, seq_length=seq_length,
-                              num_samples=num_samples, extra=extra)
+    num_epochs, separate_final_epoch, samples_before_final_epoch, layout = gpt_plan(
+        sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples, extra=extra)
     # Megatron draws the document shuffle(s), then the sample shuffle(s); a separate final epoch is
     # shuffled apart from the epochs before it (shuffling nothing draws nothing).
     rng = np.random.RandomState(seed)
@@ -360,13 +330,10 @@ def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, 
     sizes = np.array(sequence_lengths[begin:end], dtype=np.int32)[document_index - begin]
     fill_sample_index(sample_index, sizes, seq_length=seq_length, extra=extra)
     shuffle_index = np.arange(len(sample_index) - 1, dtype=layout["shuffle_index"][0])
-    cut = len(shuffle_index)
-    if separate_final_epoch:
-        cut = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+    cut = samples_before_final_epoch if separate_final_epoch else len(shuffle_index)
     rng.shuffle(shuffle_index[:cut])
     rng.shuffle(shuffle_index[cut:])
-    return {"document_index": document_index, "sample_index": sample_index,
-            "shuffle_index": shuffle_index}
+    return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
 def fill_sample_index(sample_index, sizes, *, seq_length, extra, block=1 << 18):
@@ -417,8 +384,7 @@ def blending_indices(weights, size=None):
     end_draws = np.empty_like(start_draws)
     while todo.size:
         picks, samples = dataset_index[todo], dataset_sample_index[todo]
-        end_draws[todo] = greedy(weights, quotas, first_steps[todo], start_draws[todo], picks,
-                                 samples)
+        end_draws[todo] = greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples)
         dataset_index[todo], dataset_sample_index[todo] = picks, samples
         todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
         start_draws[todo] = end_draws[todo - 1]
@@ -427,19 +393,18 @@ def blending_indices(weights, size=None):
 
 def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r from step first_steps[r]) into
-    `picks` and `samples`; return the draws after. `block` values at a time bound the temporaries."""
+    `picks` and `samples`; return the draws after. `block` values at a time bound temporaries."""
     rows = max(8, block // len(weights))
     end_draws = np.empty_like(draws)
     for first in range(0, len(draws), rows):
         part = slice(first, first + rows)
-        end_draws[part] = greedy_rows(weights, quotas, first_steps[part], draws[part], picks[part],
-                                      samples[part])
+        end_draws[part] = greedy_rows(weights, quotas, first_steps[part], draws[part], picks[part], samples[part])
     return end_draws
 
 
 def greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush=64):
-    """greedy() on one block of rows, held as (datasets, rows) so that each step reduces over axis 0.
-    Picks go to a scratch row, copied out every `flush` steps: a column write costs more than a step."""
+    """greedy() on one block of rows, held as (datasets, rows): each step reduces over axis 0. Picks
+    go to a scratch row, copied out every `flush` steps: a column write costs more than a step."""
     num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
     counts = np.ascontiguousarray(draws.T, dtype=np.float64)
@@ -475,7 +440,6 @@ def greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush=64):
 
 
 # The index cache
-
 def key_digest(key):
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -486,7 +450,8 @@ def sampled_checksum(path, offset, itemsize, count, samples=256):
     the pages out of this process, where a mapping would keep the whole cache resident."""
     picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
     with open(path, "rb") as f:
-        return zlib.crc32(b"".join(os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()))
+        items = [os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()]
+    return zlib.crc32(b"".join(items))
 
 
 def write_json(path, content):
@@ -513,10 +478,9 @@ def load_entry(base, key, layout):
         raise ValueError(f"it lists the arrays {sorted(checksums)}, not {sorted(layout)}")
     arrays = {}
     for name, (dtype, shape) in layout.items():
-        arrays[name] = np.load(f"{base}-{name}.npy", mmap_mode="r")
-        if arrays[name].dtype != dtype or arrays[name].shape != shape:
-            raise ValueError(f"{name} is {arrays[name].dtype} {arrays[name].shape}, not {dtype} {shape}")
-        values = arrays[name]
+        values = arrays[name] = np.load(f"{base}-{name}.npy", mmap_mode="r")
+        if values.dtype != dtype or values.shape != shape:
+            raise ValueError(f"{name} is {values.dtype}{values.shape}, not {dtype}{shape}")
         if sampled_checksum(values.filename, values.offset, values.itemsize, values.size) != checksums[name]:
             raise ValueError(f"{name} holds other values than were written")
     return arrays
@@ -524,7 +488,7 @@ def load_entry(base, key, layout):
 
 def cached(cache_dir, name, key, layout, build):
     """(arrays, seconds the build took or None) of `build()`, kept in `cache_dir` as {hash}-{name}-*.npy
-    and, written last, their description {hash}-{name}.json (docs/data.md). Only node_leader() writes."""
+    and, written last, their description {hash}-{name}.json. Only node_leader() writes."""
     base = os.path.join(cache_dir or "", f"{key_digest(key)}-{name}")
     if cache_dir is not None and os.path.exists(base + ".json"):
         try:
@@ -542,7 +506,8 @@ def cached(cache_dir, name, key, layout, build):
             # Not fsynced (as megatron's are not): load_entry checks what a crash may have left.
             with atomic_write(path, durable=False) as f:
                 # Written through f.write, since np.save reports a full disk as a short count only.
-                np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(values))
+                header = np.lib.format.header_data_from_array_1_0(values)
+                np.lib.format.write_array_header_1_0(f, header)
                 offset = f.tell()
                 f.write(memoryview(values.reshape(-1)).cast("B"))
             checksums[array_name] = sampled_checksum(path, offset, values.itemsize, values.size)
@@ -550,25 +515,21 @@ def cached(cache_dir, name, key, layout, build):
     return arrays, seconds
 
 
-def check_once(dataset, cache_dir, racy_seconds=2.0):
+def check_once(dataset, cache_dir):
     """Check `dataset`'s index and learn its fingerprint, unless `cache_dir` holds a record that this
-    version of the files passed, with their fingerprint: a warm start then hashes and checks
-    nothing. A record made within `racy_seconds` of a file's change might miss a rewrite in the
-    same clock tick (git's "racy clean"): the fingerprint is then hashed again to compare."""
+    version of the files passed, with their fingerprint: then a warm start hashes and checks nothing."""
     if cache_dir is None:
         return dataset.check()
     # Each file's size, times and inode tell a new version without reading it, as make and git do.
-    stats = [os.stat(dataset.path_prefix + suffix) for suffix in (".idx", ".bin")]
-    files = [[st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for st in stats]
-    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": os.path.abspath(dataset.path_prefix),
-           "files": files}
+    files = [os.stat(dataset.path_prefix + suffix) for suffix in (".idx", ".bin")]
+    files = [[st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for st in files]
+    prefix = os.path.abspath(dataset.path_prefix)
+    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": prefix, "files": files}
     path = os.path.join(cache_dir, f"{key_digest(key)}-IndexedDataset-checked.json")
     try:
         with open(path) as f:
             record = json.load(f)
-        newest_change = max(max(times[1:3]) for times in files) / 1e9
-        settled = record["written"] - newest_change > racy_seconds
-        if record["key"] == key and (settled or dataset.fingerprint == record["fingerprint"]):
+        if record["key"] == key:
             dataset.fingerprint = record["fingerprint"]
             return
     except (OSError, ValueError, KeyError, TypeError):  # no record, or a damaged one
@@ -576,18 +537,16 @@ def check_once(dataset, cache_dir, racy_seconds=2.0):
     dataset.check()
     if node_leader():
         make_cache_dir(cache_dir)
-        write_json(path, {"key": key, "fingerprint": dataset.fingerprint, "written": time.time()})
+        write_json(path, {"key": key, "fingerprint": dataset.fingerprint})
 
 
 def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
-    """(a directory per prefix, one for the blends if `blended`): `cache_dir`, else beside the data as
+    """(a directory per prefix, one for the blends if `blended`): `cache_dir`, else beside the data, as
     megatron-core keeps them, else `fallback_cache_dir` (None: the indices are not kept)."""
     if cache_dir is not None:
         return [cache_dir] * len(prefixes), cache_dir
     dirs = [cache_dir_beside(p, "GPTDataset", fallback_cache_dir) for p in prefixes]
-    if not blended:
-        return dirs, None
-    return dirs, cache_dir_beside(prefixes[0], "BlendedDataset", fallback_cache_dir)
+    return dirs, cache_dir_beside(prefixes[0], "BlendedDataset", fallback_cache_dir) if blended else None
 
 
 def cache_dir_beside(prefix, kind, fallback_cache_dir):
@@ -602,10 +561,8 @@ def cache_dir_beside(prefix, kind, fallback_cache_dir):
 
 
 # Datasets: training samples, validation windows in order, and the training sampler
-
 class GPTDataset:
-    """megatron-core's GPTDataset of sequences [begin, end); without `add_extra_token` the last label
-    is -100."""
+    """megatron-core's GPTDataset of sequences [begin, end); the last label is -100 without extra."""
 
     def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
                  split="train", cache_dir=None):
@@ -613,22 +570,15 @@ class GPTDataset:
         key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split,
                "source": dataset.fingerprint, "sequences": [begin, end], "num_samples": num_samples,
                "seq_length": seq_length, "seed": seed, "add_extra_token": bool(self.extra)}
+        options = dict(seq_length=seq_length, num_samples=num_samples)
+        num_epochs, separate, _, layout = gpt_plan(dataset.sequence_lengths, begin, end, **options, extra=self.extra)
         # The order: the key less num_samples, plus what it decides. Equal orders, equal arrays.
-        tokens = int(np.sum(dataset.sequence_lengths[begin:end], dtype=np.int64))
-        num_epochs, separate = epochs(tokens, seq_length=seq_length, num_samples=num_samples,
-                                      extra=self.extra)
         self.order = {k: v for k, v in key.items() if k not in ("format", "num_samples")}
         self.order.update(epochs=num_epochs, separate_final_epoch=separate)
-        layout = gpt_index_layout(dataset.sequence_lengths, begin, end, seq_length=seq_length,
-                                  num_samples=num_samples, extra=self.extra)
-        build = functools.partial(gpt_indices, dataset.sequence_lengths, begin, end, seed=seed,
-                                  seq_length=seq_length, num_samples=num_samples,
+        build = functools.partial(gpt_indices, dataset.sequence_lengths, begin, end, seed=seed, **options,
                                   add_extra_token=add_extra_token)
-        # build_seconds: None when the cache had the arrays
         arrays, self.build_seconds = cached(cache_dir, f"GPTDataset-{split}", key, layout, build)
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+        self.document_index, self.sample_index, self.shuffle_index = arrays.values()
 
     def __len__(self):
         return len(self.shuffle_index)
@@ -641,7 +591,8 @@ class GPTDataset:
         pieces[0] = pieces[0][first_offset:]
         text = np.concatenate(pieces, dtype=np.int64)
         if len(text) != self.seq_length + self.extra:  # the index under the sample changed
-            raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {self.seq_length + self.extra}")
+            expected = self.seq_length + self.extra
+            raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {expected}")
         if not self.extra:  # megatron pads the last label and masks it
             return {"tokens": text, "labels": np.append(text[1:], -100)}
         return {"tokens": text[:-1], "labels": text[1:]}
@@ -655,14 +606,12 @@ class GPTDataset:
 
 
 def cached_blending_indices(weights, size, *, split="train", cache_dir=None, names=()):
-    """BlendedDataset's (dataset_index, dataset_sample_index), kept in `cache_dir`; `names` for the log."""
+    """BlendedDataset's (dataset_index, dataset_sample_index), kept in `cache_dir`; `names`: the log's."""
     if size is not None:
         weights = normalize(weights)  # again, as megatron does
-    key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights,
-           "size": size}
+    key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
     length = int(sum(weights)) if size is None else size
-    layout = {"dataset_index": (np.dtype(np.int16), (length,)),
-              "dataset_sample_index": (np.dtype(np.int64), (length,))}
+    layout = {"dataset_index": (np.dtype(np.int16), (length,)), "dataset_sample_index": (np.dtype(np.int64), (length,))}
 
     def build():
         return dict(zip(layout, blending_indices(weights, size)))
@@ -677,13 +626,13 @@ def cached_blending_indices(weights, size, *, split="train", cache_dir=None, nam
 
 
 class BlendedDataset:
-    """megatron-core's BlendedDataset: sample i is dataset_sample_index[i] of datasets[dataset_index[i]]."""
+    """megatron's BlendedDataset: sample i is dataset_sample_index[i] of datasets[dataset_index[i]]."""
 
     def __init__(self, datasets, weights, size, *, split="train", cache_dir=None):
         self.datasets = datasets
-        self.dataset_index, self.dataset_sample_index = cached_blending_indices(
-            weights, size, split=split, cache_dir=cache_dir,
-            names=[d.dataset.path_prefix for d in datasets])
+        names = [d.dataset.path_prefix for d in datasets]
+        indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir, names=names)
+        self.dataset_index, self.dataset_sample_index = indices
         # A size only cuts the greedy draw short; without one, the draw differs.
         self.order = {"weights": weights if size is None else normalize(weights),
                       "exhaustive": size is None, "datasets": [d.order for d in datasets]}
@@ -700,68 +649,29 @@ class BlendedDataset:
         return f"{part.describe(self.dataset_sample_index[i])}, blend sample {i}"
 
 
-def first_samples_agree(a, b, count, block=1 << 20):
+def first_samples_agree(a, b, count):
     """Whether samples [0, count) of the GPT or blended datasets `a` and `b` are the same samples in
-    the same order: the same datasets and sample numbers, and under them the same sequences at the
-    same offsets. It compares the index entries they reach, `block` samples at a time."""
-    if type(a) is not type(b) or min(len(a), len(b)) < count:
-        return False
-    if isinstance(a, BlendedDataset):
-        if len(a.datasets) != len(b.datasets):
-            return False
-        draws = np.zeros(len(a.datasets), dtype=np.int64)
-        for first in range(0, count, block):  # each dataset's samples are drawn in order: 0, 1, ...
-            part = slice(first, min(first + block, count))
-            if not (np.array_equal(a.dataset_index[part], b.dataset_index[part]) and
-                    np.array_equal(a.dataset_sample_index[part], b.dataset_sample_index[part])):
-                return False
-            draws += np.bincount(a.dataset_index[part], minlength=len(a.datasets))
-        pairs = zip(a.datasets, b.datasets, draws, strict=True)
-        return all(first_samples_agree(x, y, int(n)) for x, y, n in pairs)
-    if (a.dataset.fingerprint, a.seq_length, a.extra) != (b.dataset.fingerprint, b.seq_length, b.extra):
-        return False
-    for first in range(0, count, block):
-        last = min(first + block, count)
-        j_a, j_b = (np.asarray(ds.shuffle_index[first:last], np.int64) for ds in (a, b))
-        starts_a, ends_a = a.sample_index[j_a].astype(np.int64), a.sample_index[j_a + 1].astype(np.int64)
-        starts_b, ends_b = b.sample_index[j_b].astype(np.int64), b.sample_index[j_b + 1].astype(np.int64)
-        if not (np.array_equal(starts_a[:, 1], starts_b[:, 1]) and np.array_equal(ends_a[:, 1], ends_b[:, 1])
-                and np.array_equal(ends_a[:, 0] - starts_a[:, 0], ends_b[:, 0] - starts_b[:, 0])):
-            return False
-        lengths = ends_a[:, 0] - starts_a[:, 0] + 1  # each sample's positions in the document index
-        steps = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        if not np.array_equal(a.document_index[np.repeat(starts_a[:, 0], lengths) + steps],
-                              b.document_index[np.repeat(starts_b[:, 0], lengths) + steps]):
-            return False
-    return True
+    the same order. Their orders say it: equal orders are equal index arrays (a size only cuts them
+    short), and other epochs or weights shuffle or draw otherwise from the first sample on."""
+    return a.order == b.order and min(len(a), len(b)) >= count
 
 
 def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None),
                        cache_dir=None, fallback_cache_dir=None):
     """(train, valid, test), each None without samples, as megatron-core's builder makes them from
     `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch)."""
-    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
-        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
-    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-    if len(sizes) != 3 or not all(s is None or (isinstance(s, (int, np.integer)) and s >= 0)
-                                  for s in sizes):
-        raise ValueError(f"sizes must be (n_train, n_valid, n_test), each a non-negative int or None; got {sizes}")
     sizes = [None if s is None else int(s) for s in sizes]
-    builder = SplitsBuilder(paths, split, sizes, int(seq_length), int(seed), cache_dir,
-                            fallback_cache_dir)
+    builder = SplitsBuilder(paths, split, sizes, int(seq_length), int(seed), cache_dir, fallback_cache_dir)
     if distributed()[1] == 1 or not builder.caches:
         return builder.build()
     return build_in_turns(builder.build)
 
 
 def build_in_turns(build):
-    """build() on every rank: first on each node's leader, which writes the index cache, then on the
-    others, which map what their leader wrote. Nodes that share a filesystem write the same entries,
-    each through temporaries of its own. A failure on any rank is raised on every rank as an error
-    of one line, so that none waits for the others."""
+    """build() on every rank: first on each node's leader, which writes the index cache (leaders on one
+    filesystem write the same entries, each through its own temporaries), then on the others, which
+    map it. A failure on any rank is raised on every rank in one line, so that none waits."""
     import torch.distributed as dist  # a process group exists, so torch is already imported
-
     rank, world_size = distributed()
     result = None
     for leaders_turn in (True, False):
@@ -796,7 +706,7 @@ class SplitsBuilder:
         if self.weights is not None:
             missing = [SPLITS[i] for i in range(3) if self.matrix[i] and sizes[i] is None]
             if missing:
-                raise ValueError(f"a weighted blend needs a size for every split it builds; {missing} have None")
+                raise ValueError(f"a weighted blend needs a size for every split; {missing} have None")
             self.weights = normalize(self.weights)
         blended = len(self.prefixes) > 1 or self.weights is not None
         self.dirs, self.blend_dir = cache_dirs(self.prefixes, cache_dir, fallback_cache_dir, blended)
@@ -845,10 +755,8 @@ class SplitsBuilder:
         else:  # one epoch of each, in proportion to their samples
             parts = [self.gpt_split(d, i, None) for d in range(len(self.datasets))]
             weights = [0 if part is None else len(part) for part in parts]
-            if size is not None and sum(weights) < size:
-                log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {sum(weights)} "
-                    f"samples, fewer than the {size} asked (token_weighted_blend can repeat)")
-                size = sum(weights)
+            if size is not None:  # megatron's cap (token_weighted_blend goes past it)
+                size = min(size, sum(weights))
         if size == 0 or sum(weights) == 0:
             return None
         if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
@@ -859,7 +767,7 @@ class SplitsBuilder:
 
 
 class TokenWindows:
-    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T : k*T+T+1]
+    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T:k*T+T+1]
     as {"tokens": its first T, "labels": its last T}, as llm.c reads; at most `length` of them."""
 
     def __init__(self, pieces, seq_length, length=None, lead=()):
@@ -877,7 +785,7 @@ class TokenWindows:
         return self.length
 
     def _window(self, i):
-        """Window i's range [start, stop) and the (dataset, sequences, starts, positions) it reads."""
+        """Window i's [start, stop) and the (dataset, sequences, starts, positions) it reads."""
         start = range(self.length)[i] * self.seq_length  # IndexError past the end; i < 0 from it
         stop, spans = start + self.seq_length + 1, []
         for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
@@ -900,15 +808,14 @@ class TokenWindows:
 
     def describe(self, i):
         """Where window i comes from, e.g. "data/val_text_document: documents 3, 4 (window 9)"."""
-        where = [f"{dataset.path_prefix}: {dataset.documents(sequences[positions.start:positions.stop])}"
-                 for dataset, sequences, _, positions in self._window(i)[2]]
+        where = [f"{ds.path_prefix}: {ds.documents(sequences[positions.start:positions.stop])}"
+                 for ds, sequences, _, positions in self._window(i)[2]]
         return f"{'; '.join(where)} (window {i})"
 
 
 class LLMCValWindows(TokenWindows):
     """llm.c's validation batches: num_tokens // seq_length windows of [eot] + every document of
-    `path_prefix` (a prefix or glob) in file order. llm.c puts the EOT before each document and we
-    after, so this is its val shard."""
+    `path_prefix` in order. llm.c puts EOT before each document and we after: this is its val shard."""
 
     def __init__(self, path_prefix, seq_length, num_tokens, eot=EOT):
         prefixes, windows = resolve_blend(path_prefix)[0], num_tokens // seq_length
@@ -917,7 +824,7 @@ class LLMCValWindows(TokenWindows):
         if len(self) < windows:
             raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds "
                              f"{self.num_tokens} tokens with the leading EOT, fewer than the "
-                             f"{windows * seq_length + 1} that {windows} windows of {seq_length} need")
+                             f"{windows * seq_length + 1} that {windows} windows need")
 
 
 def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
@@ -926,39 +833,32 @@ def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, ma
     bookends = split_matrix(split)[split_index]
     if bookends is None:
         return None
-    pieces = [(ds, np.arange(*split_range(len(ds), bookends))) for ds in map(IndexedDataset, prefixes)]
-    samples = TokenWindows(pieces, seq_length, max_samples)
-    if samples.num_tokens < seq_length + 1:
-        raise ValueError(f"{', '.join(prefixes)}: the {SPLITS[split_index]} split ({split!r}) holds "
-                         f"{samples.num_tokens} tokens, less than one window of seq_length + 1 = {seq_length + 1}")
-    return samples
+    datasets = [IndexedDataset(prefix) for prefix in prefixes]
+    pieces = [(ds, np.arange(*split_range(len(ds), bookends))) for ds in datasets]
+    return TokenWindows(pieces, seq_length, max_samples)
 
 
 class PretrainingSampler:
-    """One rank's micro-batches, as megatron's MegatronPretrainingSampler (a batch_sampler): rank r
-    takes the r-th mbs of each full global batch of mbs*W after `consumed_samples`, so that a
-    restart on any world size continues in place."""
+    """One rank's micro-batches, as megatron's MegatronPretrainingSampler: rank r takes the r-th mbs of
+    each global batch of mbs*W after `consumed_samples`: a restart on any world size continues."""
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, rank, world_size):
-        if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need micro_batch_size >= 1 and 0 <= rank < world_size, got "
-                             f"{micro_batch_size}, {rank}, {world_size}")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, total_samples={total_samples}]")
+            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, {total_samples}]")
         self.micro_batch_size, self.global_batch = micro_batch_size, micro_batch_size * world_size
         self.first = consumed_samples + rank * micro_batch_size  # in each global batch
         self.steps = (total_samples - consumed_samples) // self.global_batch
 
     def __iter__(self):
-        for first in range(self.first, self.first + self.steps * self.global_batch, self.global_batch):
+        last = self.first + self.steps * self.global_batch
+        for first in range(self.first, last, self.global_batch):
             yield list(range(first, first + self.micro_batch_size))
 
 
 # The command line
-
 def verify(prefixes, vocab_size=None, read_tokens=True):
-    """Print each prefix's counts and sizes (and with `read_tokens` its ids); return the problems."""
-    problems, totals = [], np.zeros(3, dtype=np.int64)
+    """Print each prefix's counts and sizes (with `read_tokens` its ids); return the problems."""
+    problems = []
     for prefix in prefixes:
         try:
             ds = IndexedDataset(prefix)
@@ -968,27 +868,20 @@ def verify(prefixes, vocab_size=None, read_tokens=True):
         except (ValueError, FileNotFoundError) as error:
             problems.append(str(error))
             continue
-        counts = [ds.num_documents, len(ds), ds.num_tokens]
-        totals += counts
-        line = (f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens "
+        line = (f"{prefix}: {ds.num_documents:,} documents, {len(ds):,} sequences, {ds.num_tokens:,} tokens "
                 f"({ds.dtype}); .bin {ds.sizes['.bin']:,} bytes, .idx {ds.sizes['.idx']:,} bytes")
         if read_tokens:
             low, high = int(ds.tokens.min()), int(ds.tokens.max())
             line += f", ids in [{low}, {high}]"
             if vocab_size is not None and not 0 <= low <= high < vocab_size:
-                problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the "
-                                f"vocabulary [0, {vocab_size})")
+                problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside [0, {vocab_size})")
         print(line)
-    if len(prefixes) > 1:
-        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} "
-              f"sequences, {totals[2]:,} tokens")
     return problems
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
-    parser.add_argument("command", choices=["info", "verify"], help="info: counts, dtype and sizes; "
-                        "verify: check the index and read every token")
+    parser = argparse.ArgumentParser(description="Inspect Megatron datasets (<prefix>.bin + .idx).")
+    parser.add_argument("command", choices=["info", "verify"], help="verify also reads every token")
     parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
     parser.add_argument("--vocab-size", type=int, default=None, help="verify: fail on ids >= this")
     args = parser.parse_args(argv)
