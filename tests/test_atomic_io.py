@@ -71,7 +71,7 @@ for name, write in writers.items():
         print(name, "|", e)
 """
 
-
+@pytest.mark.slow
 def test_a_failed_write_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
     """A full disk surfaces from open() as ENOSPC, from torch.save as "unexpected pos", from safetensors as its own
     error; each becomes one WriteError line naming the file, and no temporary is left behind."""

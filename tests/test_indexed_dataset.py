@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import numpy as np
@@ -391,7 +390,7 @@ def test_unweighted_glob(tmp_path, capfd, sizes):
     if sizes[0] == 10**6:  # an unweighted blend is at most one epoch of each prefix, as megatron-core's
         assert len(ours[0]) == len(theirs[0]) < sizes[0]
 
-
+@pytest.mark.slow
 def test_token_weighted_blend_trains_past_one_epoch(tmp_path, capfd):
     # megatron-core caps an unweighted list of prefixes at one epoch of each; a Megatron user wanting more weights
     # the prefixes, here by their token counts, and then gets as many samples as asked, from whole epochs of each
@@ -411,7 +410,7 @@ def test_token_weighted_blend_trains_past_one_epoch(tmp_path, capfd):
     with pytest.raises(ValueError, match="already weighted"):
         token_weighted_blend(blend)
 
-
+@pytest.mark.slow
 def test_blending_indices_at_scale():
     rng = np.random.default_rng(0)
     cases = [rng.random(d) for d in (2, 3, 7, 40)] + [np.ones(4)]  # equal weights: ties go to the first dataset
@@ -434,6 +433,7 @@ def test_blending_indices_at_scale():
         np.testing.assert_array_equal(ours[1], dataset_sample_index)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_samples, add_extra_token", [(None, True), (1_200_000, True), (500_000, False)])
 def test_gpt_indices_at_scale(tmp_path, num_samples, add_extra_token):
     class Lengths:  # all megatron's GPTDataset reads of its low-level dataset here
@@ -452,7 +452,7 @@ def test_gpt_indices_at_scale(tmp_path, num_samples, add_extra_token):
         assert actual.dtype == expected.dtype, name
         np.testing.assert_array_equal(actual, expected, err_msg=name)
 
-
+@pytest.mark.slow
 def test_split_without_tokens_raises_where_megatron_hangs(tmp_path):
     [prefix] = make_prefixes(tmp_path, 1)  # about 430 sequences: "969,30,1" leaves the test split empty
     script = textwrap.dedent(f"""
@@ -956,7 +956,6 @@ def test_plans_of_other_sizes_share_their_first_samples_exactly_when_their_order
 
 def test_a_warm_start_hashes_no_index(tmp_path, monkeypatch, capfd):
     prefixes = make_prefixes(tmp_path, 2)
-    time.sleep(2.1)  # files changed within 2 s of the record are hashed again (a rewrite in one clock tick)
     cache = str(tmp_path / "cache")
     first = build(prefixes, cache, sizes=(1000, 50, 10))
     hashed = []
