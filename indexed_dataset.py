@@ -2,6 +2,7 @@
 same samples in the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and
 BlendedDataset (tests/ compare them). `python indexed_dataset.py info|verify PREFIX_OR_GLOB`."""
 import argparse
+import concurrent.futures
 import functools
 import glob
 import hashlib
@@ -155,14 +156,13 @@ class IndexedDataset:
         return ValueError(f"{self.path_prefix}: changed on disk since it was opened ({why})")
 
     def check(self, block=1 << 20):
-        """ValueError naming the .idx unless each pointer sums the lengths before it. The pointers are
+        """ValueError naming the .idx unless each pointer sums the lengths before it. Its pointers are
         read, not mapped: mapped pages would stay in this process (8 bytes a sequence)."""
         idx_path, count = self.path_prefix + ".idx", len(self)
         with open(idx_path, "rb") as f:
             start = 0
             for first in range(0, count, block):
-                sizes = self.sequence_lengths[first:first + block].astype(np.int64)
-                sizes *= self.dtype.itemsize
+                sizes = self.sequence_lengths[first:first + block].astype(np.int64) * self.dtype.itemsize
                 starts = np.cumsum(sizes) - sizes + start
                 start = int(starts[-1] + sizes[-1])
                 at = HEADER.size + 4 * count + 8 * first
@@ -184,7 +184,7 @@ class IndexedDatasetBuilder:
         self.sequence_lengths, self.document_indices = array("q"), array("q", [0])
 
     def add_document(self, tokens, lengths=None):
-        """Append 1-D `tokens`, a document of sequences of `lengths` (default: one, none if empty)."""
+        """Append 1-D `tokens`: a document of sequences of `lengths` (default one, none if empty)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"{self.bin_path}: a document must be 1-D tokens, not of shape {tokens.shape}")
@@ -277,7 +277,7 @@ def token_weighted_blend(paths):
         raise ValueError(f"{paths}: already weighted; token_weighted_blend weights prefixes")
     blend = []
     for prefix in prefixes:
-        # The build checks each index; a prefix without tokens gets weight 0: resolve_blend refuses it.
+        # The build checks each index. A prefix without tokens has weight 0, which resolve_blend refuses.
         blend += [str(IndexedDataset(prefix, check=False).num_tokens), prefix]
     return blend
 
@@ -296,7 +296,7 @@ def one_epoch_samples(paths, *, seq_length, split, split_index=0, add_extra_toke
 
 def gpt_plan(sequence_lengths, begin, end, *, seq_length, num_samples, extra):
     """(epochs, whether the last is shuffled apart, samples before it, {array: (dtype, shape)}) of
-    megatron's GPTDataset for `num_samples`: with the data and the seed, all that decides its arrays."""
+    megatron's GPTDataset for `num_samples`: with the data and seed, all that decides its arrays."""
     tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
     num_epochs = 1
     if num_samples is not None:
@@ -304,8 +304,7 @@ def gpt_plan(sequence_lengths, begin, end, *, seq_length, num_samples, extra):
     samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
     samples_per_epoch = (tokens_per_epoch - extra) // seq_length
     separate = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
-    samples = (num_epochs * tokens_per_epoch - extra) // seq_length
-    positions = num_epochs * (end - begin)
+    samples, positions = (num_epochs * tokens_per_epoch - extra) // seq_length, num_epochs * (end - begin)
     wide = max(positions, int(sequence_lengths.max(initial=0))) > np.iinfo(np.int32).max
     layout = {"document_index": (np.dtype(np.int32), (positions,)),
               "sample_index": (np.dtype(np.int64 if wide else np.int32), (samples + 1, 2)),
@@ -355,11 +354,11 @@ def fill_sample_index(sample_index, sizes, *, seq_length, extra, block=1 << 18):
 
 
 def blending_indices(weights, size=None):
-    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with
-    `size`, step s draws the dataset maximising weights[d] * max(s, 1) - draws[d] (the first on
-    ties, in float64); without, `weights` are exact counts. Megatron's loop is sequential; here
-    chunks of CHUNK steps run side by side from a guess of their starting draws, and a chunk that
-    did not start where the one before ended runs again from there, until all agree."""
+    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with `size`, step s
+    draws the dataset maximising weights[d] * max(s, 1) - draws[d] (the first on ties, in float64); without,
+    `weights` are exact counts. Megatron's loop is sequential; here chunks of CHUNK steps run side by side
+    from a guess of their starting draws, and a chunk that did not start where the one before ended runs
+    again from there, until all agree."""
     quotas = None
     if size is None:
         quotas = np.asarray(weights, dtype=np.int64)
@@ -445,18 +444,13 @@ def key_digest(key):
 
 
 def sampled_checksum(path, offset, itemsize, count, samples=256):
-    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`. It catches an
-    array zeroed or overwritten in any sizeable part at the cost of a few hundred reads; pread keeps
-    the pages out of this process, where a mapping would keep the whole cache resident."""
+    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`: it catches an array
+    zeroed or overwritten in any sizeable part with a few hundred preads, which keep the pages out of
+    this process (a mapping would keep the whole cache resident)."""
     picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
     with open(path, "rb") as f:
         items = [os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()]
     return zlib.crc32(b"".join(items))
-
-
-def write_json(path, content):
-    with atomic_write(path, "w", durable=False) as f:  # a cache file: checked on loading
-        json.dump(content, f, indent=1)
 
 
 def make_cache_dir(cache_dir):
@@ -511,20 +505,21 @@ def cached(cache_dir, name, key, layout, build):
                 offset = f.tell()
                 f.write(memoryview(values.reshape(-1)).cast("B"))
             checksums[array_name] = sampled_checksum(path, offset, values.itemsize, values.size)
-        write_json(base + ".json", {"key": key, "arrays": checksums})
+        with atomic_write(base + ".json", "w", durable=False) as f:
+            json.dump({"key": key, "arrays": checksums}, f, indent=1)
     return arrays, seconds
 
 
 def check_once(dataset, cache_dir):
-    """Check `dataset`'s index and learn its fingerprint, unless `cache_dir` holds a record that this
-    version of the files passed, with their fingerprint: then a warm start hashes and checks nothing."""
+    """Check `dataset`'s index and learn its fingerprint, unless `cache_dir` has a record that this
+    version of the files passed, with their fingerprint: a warm start then hashes and checks nothing."""
     if cache_dir is None:
         return dataset.check()
     # Each file's size, times and inode tell a new version without reading it, as make and git do.
     files = [os.stat(dataset.path_prefix + suffix) for suffix in (".idx", ".bin")]
     files = [[st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for st in files]
-    prefix = os.path.abspath(dataset.path_prefix)
-    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": prefix, "files": files}
+    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": os.path.abspath(dataset.path_prefix),
+           "files": files}
     path = os.path.join(cache_dir, f"{key_digest(key)}-IndexedDataset-checked.json")
     try:
         with open(path) as f:
@@ -537,7 +532,8 @@ def check_once(dataset, cache_dir):
     dataset.check()
     if node_leader():
         make_cache_dir(cache_dir)
-        write_json(path, {"key": key, "fingerprint": dataset.fingerprint})
+        with atomic_write(path, "w", durable=False) as f:  # checked on loading, as the cache is
+            json.dump({"key": key, "fingerprint": dataset.fingerprint}, f)
 
 
 def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
@@ -567,9 +563,9 @@ class GPTDataset:
     def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
                  split="train", cache_dir=None):
         self.dataset, self.seq_length, self.extra = dataset, seq_length, int(add_extra_token)
-        key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split,
-               "source": dataset.fingerprint, "sequences": [begin, end], "num_samples": num_samples,
-               "seq_length": seq_length, "seed": seed, "add_extra_token": bool(self.extra)}
+        key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "source": dataset.fingerprint,
+               "sequences": [begin, end], "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
+               "add_extra_token": bool(self.extra)}
         options = dict(seq_length=seq_length, num_samples=num_samples)
         num_epochs, separate, _, layout = gpt_plan(dataset.sequence_lengths, begin, end, **options, extra=self.extra)
         # The order: the key less num_samples, plus what it decides. Equal orders, equal arrays.
@@ -591,8 +587,7 @@ class GPTDataset:
         pieces[0] = pieces[0][first_offset:]
         text = np.concatenate(pieces, dtype=np.int64)
         if len(text) != self.seq_length + self.extra:  # the index under the sample changed
-            expected = self.seq_length + self.extra
-            raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {expected}")
+            raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {self.seq_length + self.extra}")
         if not self.extra:  # megatron pads the last label and masks it
             return {"tokens": text, "labels": np.append(text[1:], -100)}
         return {"tokens": text[:-1], "labels": text[1:]}
@@ -628,10 +623,11 @@ def cached_blending_indices(weights, size, *, split="train", cache_dir=None, nam
 class BlendedDataset:
     """megatron's BlendedDataset: sample i is dataset_sample_index[i] of datasets[dataset_index[i]]."""
 
-    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None):
-        self.datasets = datasets
-        names = [d.dataset.path_prefix for d in datasets]
-        indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir, names=names)
+    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, indices=None):
+        """`indices`: what cached_blending_indices returned, where it was built beside the datasets."""
+        self.datasets, names = datasets, [d.dataset.path_prefix for d in datasets]
+        if indices is None:
+            indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir, names=names)
         self.dataset_index, self.dataset_sample_index = indices
         # A size only cuts the greedy draw short; without one, the draw differs.
         self.order = {"weights": weights if size is None else normalize(weights),
@@ -681,8 +677,7 @@ def build_in_turns(build):
                 result = build()
             except Exception as raised:
                 error = raised
-        failures = [None] * world_size
-        failure = None
+        failures, failure = [None] * world_size, None
         if error is not None:  # what the other ranks raise: the same kind of error, one line
             kind = OSError if isinstance(error, OSError) else ValueError
             failure = kind, str(error).splitlines()[0]
@@ -718,7 +713,10 @@ class SplitsBuilder:
                 remove_stale_temporaries(directory)
         for dataset, directory in zip(self.datasets, self.dirs):
             check_once(dataset, directory)
-        return tuple(self.split_dataset(i) for i in range(3))
+        # A weighted blend's index needs only the weights and the size: a helper thread builds it beside the
+        # datasets' indices, which hides most of its time on a cold start.
+        with concurrent.futures.ThreadPoolExecutor(1) as self.helper:
+            return tuple(self.split_dataset(i) for i in range(3))
 
     def split_dataset(self, i):
         """Split i, blended or not, or None; a log line when some of its indices were built."""
@@ -736,22 +734,24 @@ class SplitsBuilder:
         begin, end = split_range(len(dataset), self.matrix[i])
         if not dataset.sequence_lengths[begin:end].any():
             if num_samples:  # megatron-core loops forever here
-                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({self.split!r} "
-                                 f"of {len(dataset)} sequences: [{begin}, {end})) has no tokens, "
-                                 f"but {num_samples} samples were asked")
+                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({self.split!r}: sequences "
+                                 f"[{begin}, {end})) has no tokens, but {num_samples} samples were asked")
             return None
         part = GPTDataset(dataset, begin, end, seq_length=self.seq_length, num_samples=num_samples,
                           seed=self.seed, split=SPLITS[i], cache_dir=self.dirs[d])
         return part if len(part) else None
 
     def blend(self, i):
-        size = self.sizes[i]
+        size, indices = self.sizes[i], None
         if self.weights is None and len(self.prefixes) == 1:
             return self.gpt_split(0, i, size)
         if self.weights is not None:  # each dataset's share, built with megatron's 0.5% surplus
             targets = [math.ceil(size * w) for w in self.weights]
-            parts = [self.gpt_split(d, i, math.ceil(n * (1 + 0.005))) for d, n in enumerate(targets)]
             weights, size = self.weights, sum(targets)
+            if size:
+                indices = self.helper.submit(cached_blending_indices, weights, size, split=SPLITS[i],
+                                             cache_dir=self.blend_dir, names=self.prefixes)
+            parts = [self.gpt_split(d, i, math.ceil(n * (1 + 0.005))) for d, n in enumerate(targets)]
         else:  # one epoch of each, in proportion to their samples
             parts = [self.gpt_split(d, i, None) for d in range(len(self.datasets))]
             weights = [0 if part is None else len(part) for part in parts]
@@ -760,10 +760,11 @@ class SplitsBuilder:
         if size == 0 or sum(weights) == 0:
             return None
         if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
-            raise ValueError(f"{self.prefixes[parts.index(None)]}: its {SPLITS[i]} split "
-                             f"({self.split!r}) has no samples of {self.seq_length} tokens, so it "
-                             f"cannot take part in the blend")
-        return BlendedDataset(parts, weights, size, split=SPLITS[i], cache_dir=self.blend_dir)
+            raise ValueError(f"{self.prefixes[parts.index(None)]}: its {SPLITS[i]} split ({self.split!r}) "
+                             f"has no samples of {self.seq_length} tokens to take part in the blend")
+        if self.weights is not None:
+            indices = indices.result()
+        return BlendedDataset(parts, weights, size, split=SPLITS[i], cache_dir=self.blend_dir, indices=indices)
 
 
 class TokenWindows:
@@ -771,15 +772,13 @@ class TokenWindows:
     as {"tokens": its first T, "labels": its last T}, as llm.c reads; at most `length` of them."""
 
     def __init__(self, pieces, seq_length, length=None, lead=()):
-        self.pieces, self.seq_length = pieces, seq_length
-        self.lead = np.asarray(lead, dtype=np.int64)
+        self.pieces, self.seq_length, self.lead = pieces, seq_length, np.asarray(lead, dtype=np.int64)
         self.piece_starts, self.num_tokens = [], len(self.lead)  # each sequence's start; the end
         for dataset, sequences in pieces:
             lengths = np.r_[0, dataset.sequence_lengths[sequences]]
             self.piece_starts.append(self.num_tokens + np.cumsum(lengths, dtype=np.int64))
             self.num_tokens = int(self.piece_starts[-1][-1])
-        self.length = max(0, (self.num_tokens - 1) // seq_length)
-        self.length = self.length if length is None else min(self.length, length)
+        self.length = min(max(0, (self.num_tokens - 1) // seq_length), math.inf if length is None else length)
 
     def __len__(self):
         return self.length
@@ -822,9 +821,9 @@ class LLMCValWindows(TokenWindows):
         pieces = [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
         super().__init__(pieces, seq_length, windows, [eot])
         if len(self) < windows:
-            raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds "
-                             f"{self.num_tokens} tokens with the leading EOT, fewer than the "
-                             f"{windows * seq_length + 1} that {windows} windows need")
+            raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds {self.num_tokens} "
+                             f"tokens with the leading EOT, fewer than the {windows * seq_length + 1} that "
+                             f"{windows} windows need")
 
 
 def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
@@ -850,8 +849,7 @@ class PretrainingSampler:
         self.steps = (total_samples - consumed_samples) // self.global_batch
 
     def __iter__(self):
-        last = self.first + self.steps * self.global_batch
-        for first in range(self.first, last, self.global_batch):
+        for first in range(self.first, self.first + self.steps * self.global_batch, self.global_batch):
             yield list(range(first, first + self.micro_batch_size))
 
 
@@ -863,8 +861,7 @@ def verify(prefixes, vocab_size=None, read_tokens=True):
         try:
             ds = IndexedDataset(prefix)
             if read_tokens and not ds.num_tokens:
-                raise ValueError(f"{prefix}.bin: no tokens ({ds.num_documents} documents): "
-                                 f"megatron-core cannot map an empty .bin")
+                raise ValueError(f"{prefix}.bin: no tokens ({ds.num_documents} documents): megatron cannot map it")
         except (ValueError, FileNotFoundError) as error:
             problems.append(str(error))
             continue

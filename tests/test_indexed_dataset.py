@@ -479,7 +479,7 @@ def test_split_without_tokens_raises_where_megatron_hangs(tmp_path):
     blend = ["1", prefix, "1", make_prefixes(tmp_path / "more", 1, documents=3000, seed=5)[0]]
     with pytest.raises(ValueError, match=r"part_0_text_document: its test split"):
         build_gpt_datasets(blend, seq_length=16, split="969,30,1", sizes=(100, 10, 10))
-    with pytest.raises(ValueError, match=r"part_0_text_document: its test split .* so it cannot take part"):
+    with pytest.raises(ValueError, match=r"part_0_text_document: its test split .* to take part in the blend"):
         build_gpt_datasets([prefix, blend[3]], seq_length=16, split="969,30,1", sizes=(100, 10, 10))
 
 
@@ -916,9 +916,9 @@ def test_verify_fails_on_empty_files(tmp_path, capsys):
     status, out, err = cli(capsys, "verify", str(tmp_path / "*_text_document"))
     assert status == 1 and out.strip().endswith("3 problem(s)"), out + err
     assert err.splitlines() == [
-        f"problem: {empty_documents}.bin: no tokens (2 documents): megatron-core cannot map an empty .bin",
+        f"problem: {empty_documents}.bin: no tokens (2 documents): megatron cannot map it",
         f"problem: {no_index}.idx: truncated: 0 bytes, less than the 34-byte header",
-        f"problem: {no_documents}.bin: no tokens (0 documents): megatron-core cannot map an empty .bin"]
+        f"problem: {no_documents}.bin: no tokens (0 documents): megatron cannot map it"]
 
 
 def test_indexed_dataset_imports_without_torch():
