@@ -73,10 +73,10 @@ def fsync_dir(path):
 
 @contextlib.contextmanager
 def atomic_path(path, errors=OSError, durable=True):
-    """Yield a temporary name (host and random: containers share pids), flocked while written so that
-    remove_stale_temporaries leaves it; on success fsync it unless not `durable`, rename it to `path`."""
+    """Yield a temporary name, random rather than the pid (containers share pids), flocked while written so
+    that remove_stale_temporaries leaves it; on success fsync it unless not `durable`, rename it to `path`."""
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{os.uname().nodename}.{secrets.token_hex(4)}.tmp")
+    tmp = os.path.join(directory, f".{name}.{secrets.randbits(63)}.tmp")  # digits, as prepare_fineweb expects
     fd = None
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
