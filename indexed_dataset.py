@@ -1,11 +1,9 @@
-"""Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the same samples in
-the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and BlendedDataset (tests/ compare them).
-The .idx (little-endian, packed): magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | sequence count S u64
-| document count D u64 (with a leading 0) | sequence lengths i32[S] | their byte offsets in the .bin i64[S] | document
-boundaries i64[D]; the .bin is the tokens. `python indexed_dataset.py info|verify PREFIX_OR_GLOB` inspects files."""
+"""Megatron-Core indexed datasets and GPT sampling in plain numpy: the same .bin/.idx bytes, and the
+same samples in the same order, as megatron-core 0.16.1's IndexedDataset, GPTDataset and
+BlendedDataset (tests/ compare them). `python indexed_dataset.py info|verify PREFIX_OR_GLOB`."""
 import argparse
 import concurrent.futures
-import ctypes
+import functools
 import glob
 import hashlib
 import itertools
@@ -15,26 +13,27 @@ import os
 import re
 import struct
 import sys
-import threading
 import time
+import zlib
 from array import array
 
 import numpy as np
 
-from atomic_io import WriteError, atomic_write
+from atomic_io import WriteError, atomic_write, remove_stale_temporaries
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
-HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
+HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 DTYPE_CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 SPLITS = ("train", "valid", "test")
 EOT = 50256  # GPT-2's <|endoftext|>, which ends every document of prepare_fineweb.py's files
-CACHE_FORMAT = 3  # bump when the cached arrays or their key change meaning (3: keyed by the data's fingerprint)
-CHUNK, WARM_UP = 2048, 64  # blending_indices works in chunks of CHUNK steps, each started WARM_UP steps early
+CACHE_FORMAT = 4  # bumped when the cache changes meaning, so that old entries are rebuilt
+CHUNK, WARM_UP = 2048, 64  # blending_indices runs chunks of CHUNK steps, each started WARM_UP early
+MISSING_DATA = "write the token files with prepare_fineweb.py (see its --help), or check the path"
 
 
 def distributed():
-    """(rank, world size) of the initialized torch.distributed group, else (0, 1); never imports torch itself."""
+    """(rank, world size) of the torch.distributed group, else (0, 1); it never imports torch."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -42,15 +41,15 @@ def distributed():
 
 
 def node_leader():
-    """Whether this process builds and writes the index cache for its node: torchrun's local rank 0 (every node has
-    one, whether or not the nodes share a filesystem), else global rank 0."""
+    """Whether this process writes its node's index cache: torchrun's local rank 0, else rank 0."""
     rank, world_size = distributed()
-    local_rank = os.environ.get("LOCAL_RANK")
-    return rank == 0 if world_size == 1 or local_rank is None else local_rank == "0"
+    if world_size == 1 or "LOCAL_RANK" not in os.environ:
+        return rank == 0
+    return os.environ["LOCAL_RANK"] == "0"
 
 
 def usable_cores():
-    """The CPU cores this process may run on (its affinity, which a scheduler or taskset may narrow)."""
+    """The CPU cores this process may run on (its affinity, which a scheduler may narrow)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -59,13 +58,9 @@ def log(message):
         print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
 
 
-# what a missing dataset's error adds
-MISSING_DATA = "write the token files with prepare_fineweb.py (see its --help), or check the path"
-
-
 # The .bin/.idx files
 def file_sha256(path):
-    """The SHA-256 of a file, read in blocks rather than mapped, so its pages stay out of this process."""
+    """The SHA-256 of a file, read in blocks rather than mapped, so that its pages leave us."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -73,67 +68,71 @@ def file_sha256(path):
     return digest.hexdigest()
 
 
+def read_header(idx_path, idx_size):
+    """(dtype code, sequence count, boundary count) of a .idx whose header fits its size."""
+    with open(idx_path, "rb") as f:
+        header = f.read(HEADER.size)
+    if len(header) < HEADER.size:
+        raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte header")
+    magic, version, code, count, num_boundaries = HEADER.unpack(header)
+    if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:
+        raise ValueError(f"{idx_path}: not a Megatron indexed dataset index of version 1 (magic "
+                         f"{magic!r}, version {version}, dtype code {code})")
+    expected = HEADER.size + 12 * count + 8 * num_boundaries
+    # A multimodal .idx adds a byte per sequence after the boundaries.
+    if num_boundaries < 1 or idx_size not in (expected, expected + count):
+        raise ValueError(f"{idx_path}: truncated or corrupt: its header announces {count} sequences "
+                         f"and {num_boundaries - 1} documents, {expected} bytes, not {idx_size}")
+    return code, count, num_boundaries
+
+
 class IndexedDataset:
-    """Memory-mapped `<path_prefix>.bin` + `.idx`: `ds[i]` is a read-only view of sequence i; opening checks them."""
+    """Memory-mapped `<path_prefix>.bin` + `.idx`: `ds[i]` is a read-only view of sequence i."""
 
     def __init__(self, path_prefix, check=True):
         self.path_prefix = str(path_prefix)
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                hint = " (give the prefix, without .bin/.idx)" if self.path_prefix.endswith((".bin", ".idx")) else \
-                    f"; {MISSING_DATA}"
-                raise FileNotFoundError(f"{path}: no such file{hint}")
-        self.sizes = {suffix: os.path.getsize(self.path_prefix + suffix) for suffix in (".bin", ".idx")}  # changed()
-        self._fingerprint = None
-        bin_size, idx_size = self.sizes.values()
-        with open(idx_path, "rb") as f:
-            header = f.read(HEADER.size)
-        if not (header.startswith(INDEX_MAGIC) or INDEX_MAGIC.startswith(header)):  # a cut-off magic is truncation
-            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index (it starts with {header[:9]!r})")
-        if len(header) < HEADER.size:
-            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the {HEADER.size}-byte header")
-        _, version, code, count, num_boundaries = HEADER.unpack(header)
-        if version != 1:
-            raise ValueError(f"{idx_path}: unsupported index version {version} (only version 1 exists)")
-        if code not in DTYPES:
-            raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPES)})")
-        if num_boundaries < 1:
-            raise ValueError(f"{idx_path}: document count is 0; it must count at least the leading boundary 0")
-        expected = HEADER.size + 12 * count + 8 * num_boundaries
-        counts = f"{count} sequences and {num_boundaries - 1} documents"
-        if idx_size < expected:
-            raise ValueError(f"{idx_path}: truncated: its header announces {counts}: {expected} bytes, not {idx_size}")
-        if idx_size not in (expected, expected + count):  # + S: the per-sequence modes of multimodal data
-            raise ValueError(f"{idx_path}: {idx_size - expected} bytes after the document boundaries ({counts})")
+                raise FileNotFoundError(f"{path}: no such file; {MISSING_DATA} (a prefix, no .bin)")
+        self.bin_file = open(bin_path, "rb")  # kept open, so that get() can ask its size cheaply
+        bin_size = os.fstat(self.bin_file.fileno()).st_size
+        self.sizes = {".bin": bin_size, ".idx": os.path.getsize(idx_path)}
+        code, count, num_boundaries = read_header(idx_path, self.sizes[".idx"])
         self.dtype, self.num_documents = np.dtype(DTYPES[code]), num_boundaries - 1
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(self._index, "<i8", count, HEADER.size + 4 * count)
         self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, HEADER.size + 12 * count)
         if self.document_indices[0] != 0 or self.document_indices[-1] != count:
-            raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} to "
-                             f"{self.document_indices[-1]}, not from 0 to the sequence count {count}")
+            raise ValueError(f"{idx_path}: corrupt: document boundaries run from {self.document_indices[0]} "
+                             f"to {self.document_indices[-1]}, not from 0 to the sequence count {count}")
         if check:
             self.check()
-        # the .bin holds exactly every sequence: it ends where the last one does (check() vouches for its pointer)
-        expected = count and int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-        if bin_size % self.dtype.itemsize:
-            raise ValueError(f"{bin_path}: {bin_size} bytes is not a whole number of {self.dtype} tokens")
+        # check() vouches for the last pointer: the .bin must end where the last sequence does.
+        expected = 0
+        if count:
+            expected = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize)
         if bin_size != expected:
-            raise ValueError(f"{bin_path}: {bin_size} bytes, {'shorter' if bin_size < expected else 'longer'} than "
-                             f"the {expected} bytes its index {idx_path} says")
-        # every token in file order, a plain view (a memmap's slices cost more); an empty file cannot be mapped
-        self.tokens = np.memmap(bin_path, self.dtype, "r").view(np.ndarray) if bin_size else np.empty(0, self.dtype)
+            raise ValueError(f"{bin_path}: {bin_size} bytes, not the {expected} bytes its {idx_path} says")
+        self.tokens = np.empty(0, self.dtype)  # an empty file cannot be mapped
+        if bin_size:  # a plain view: a memmap's slices cost more
+            self.tokens = np.memmap(bin_path, self.dtype, "r").view(np.ndarray)
 
     def __len__(self):
         return len(self.sequence_lengths)
 
     def get(self, i, offset=0, length=None):
         """`length` tokens (default: to the end) of sequence i, starting `offset` tokens into it."""
+        # A read past the end of a .bin cut short under its mapping would die of SIGBUS.
+        size = os.fstat(self.bin_file.fileno()).st_size
+        if size < self.sizes[".bin"]:
+            raise ValueError(f"{self.path_prefix}.bin: shrank from {self.sizes['.bin']} to {size} "
+                             f"bytes while the run read it; restore it and resume")
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + int(offset)
-        length = int(self.sequence_lengths[i]) - int(offset) if length is None else int(length)
-        return self.tokens[start:start + length]
+        if length is None:
+            length = int(self.sequence_lengths[i]) - int(offset)
+        return self.tokens[start:start + int(length)]
 
     __getitem__ = get
 
@@ -141,96 +140,65 @@ class IndexedDataset:
     def num_tokens(self):
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
-    @property
+    @functools.cached_property
     def fingerprint(self):
-        """What changes when the data is replaced: a hash of the index and the .bin's size (the tokens are not read).
-        Kept once known; not a functools.cached_property, whose lock (Python < 3.12) lets one file at a time hash."""
-        if self._fingerprint is None:
-            self._fingerprint = f"{file_sha256(self.path_prefix + '.idx')[:32]}-{self.sizes['.bin']}"
-        return self._fingerprint
-
-    @fingerprint.setter
-    def fingerprint(self, value):
-        self._fingerprint = value
-
-    def version(self):
-        """What tells one version of the files from another without reading them, as make and git judge a file
-        unchanged: each file's size, modification and change times (ns) and inode."""
-        stats = [os.stat(self.path_prefix + suffix) for suffix in (".idx", ".bin")]
-        return {"prefix": os.path.abspath(self.path_prefix),
-                "files": [[st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for st in stats]}
+        """A hash of the index and the .bin's size: what changes when the data is replaced."""
+        return f"{file_sha256(self.path_prefix + '.idx')[:32]}-{self.sizes['.bin']}"
 
     def documents(self, sequences):
-        """The documents holding tokens of `sequences` (an array), "documents 7, 3", numbered from 0 in file order."""
-        held = np.searchsorted(self.document_indices, sequences[self.sequence_lengths[sequences] > 0], "right") - 1
-        return "documents " + ", ".join(map(str, dict.fromkeys(held.tolist())))
+        """The documents (from 0) holding tokens of the array `sequences`: "documents 7, 3"."""
+        nonempty = sequences[self.sequence_lengths[sequences] > 0]
+        held = np.searchsorted(self.document_indices, nonempty, "right")
+        return "documents " + ", ".join(map(str, dict.fromkeys((held - 1).tolist())))
 
     def changed(self, why):
-        """The error for files rewritten in place while open (a sample of the wrong length), naming the prefix."""
-        for suffix, size in self.sizes.items():
-            now = os.path.getsize(self.path_prefix + suffix) if os.path.exists(self.path_prefix + suffix) else 0
-            if now != size:
-                why += f"; its {suffix} had {size} bytes, now {now}"
+        """The error for files rewritten in place while open (a sample of the wrong length)."""
         return ValueError(f"{self.path_prefix}: changed on disk since it was opened ({why})")
 
     def check(self, block=1 << 20):
-        """Raise ValueError naming the .idx unless boundaries never fall and each pointer sums the lengths before it.
-        The pointers and boundaries are read `block` at a time, not through the mapping, whose pages would otherwise
-        stay in this process's memory (16 bytes a sequence) though nothing else reads them."""
-        idx_path, count = self.path_prefix + ".idx", len(self.sequence_lengths)
-        pointers_at, boundaries_at = HEADER.size + 4 * count, HEADER.size + 12 * count
+        """ValueError naming the .idx unless each pointer sums the lengths before it. Its pointers are
+        read, not mapped: mapped pages would stay in this process (8 bytes a sequence)."""
+        idx_path, count = self.path_prefix + ".idx", len(self)
         with open(idx_path, "rb") as f:
-            def int64s(offset, n):
-                return np.frombuffer(os.pread(f.fileno(), 8 * n, offset), "<i8")
-
-            previous = 0
-            for first in range(0, len(self.document_indices), block):
-                boundaries = int64s(boundaries_at + 8 * first, min(block, len(self.document_indices) - first))
-                if boundaries[0] < previous or (np.diff(boundaries) < 0).any():
-                    raise ValueError(f"{idx_path}: corrupt: document boundaries decrease")
-                previous = boundaries[-1]
             start = 0
             for first in range(0, count, block):
-                sizes = self.sequence_lengths[first:first + block].astype(np.int64)
-                if sizes.min() < 0:
-                    raise ValueError(f"{idx_path}: corrupt: sequence {first + np.argmin(sizes)} has a negative length "
-                                     f"{sizes.min()}")
-                sizes *= self.dtype.itemsize
+                sizes = self.sequence_lengths[first:first + block].astype(np.int64) * self.dtype.itemsize
                 starts = np.cumsum(sizes) - sizes + start
                 start = int(starts[-1] + sizes[-1])
-                pointers = int64s(pointers_at + 8 * first, len(sizes))
+                at = HEADER.size + 4 * count + 8 * first
+                pointers = np.frombuffer(os.pread(f.fileno(), 8 * len(sizes), at), "<i8")
                 for k in np.flatnonzero(pointers != starts)[:1]:  # the first wrong pointer, if any
-                    raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte {pointers[k]} of the "
-                                     f".bin, but the lengths before it put it at byte {starts[k]} ({self.dtype} "
-                                     f"tokens): a wrong dtype code or damaged pointers")
+                    raise ValueError(f"{idx_path}: corrupt: sequence {first + k} starts at byte "
+                                     f"{pointers[k]} of the .bin, but the lengths before it say "
+                                     f"{starts[k]} ({self.dtype} tokens): a wrong dtype or pointer")
 
 
 class IndexedDatasetBuilder:
-    """Writer of `<prefix>.bin` and, at `finalize`, `<prefix>.idx`, byte for byte as megatron-core's."""
+    """Writer of `<prefix>.bin` and, at finalize, `<prefix>.idx`, byte for byte as megatron's."""
 
     def __init__(self, bin_path, dtype=np.uint16):
-        self.bin_path = str(bin_path)
-        self.dtype = np.dtype(dtype)  # one of DTYPES
+        self.bin_path, self.dtype = str(bin_path), np.dtype(dtype)  # one of DTYPES
         if self.bin_path.endswith(".bin") and os.path.exists(self.bin_path[:-4] + ".idx"):
-            os.remove(self.bin_path[:-4] + ".idx")  # no reader accepts the .bin of an interrupted build without it
+            os.remove(self.bin_path[:-4] + ".idx")  # no reader may take a .bin being rewritten
         self._bin = open(self.bin_path, "wb")
         self.sequence_lengths, self.document_indices = array("q"), array("q", [0])
 
     def add_document(self, tokens, lengths=None):
-        """Append 1-D `tokens` as a document of sequences of `lengths` (default: one, none if empty, as Megatron)."""
+        """Append 1-D `tokens`: a document of sequences of `lengths` (default one, none if empty)."""
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
-            raise ValueError(f"{self.bin_path}: a document must be a 1-D token array, got shape {tokens.shape}")
-        # the range check costs more than the write: skip it when every value of the input dtype fits (uint16 -> uint16)
+            raise ValueError(f"{self.bin_path}: a document must be 1-D tokens, not of shape {tokens.shape}")
+        # The range check costs more than the write, so it runs only where a value may not fit.
         if tokens.size and self.dtype.kind in "iu" and not np.can_cast(tokens.dtype, self.dtype):
-            if tokens.dtype.kind not in "iub":
-                raise ValueError(f"{self.bin_path}: tokens must be integers, got {tokens.dtype}")
             bad = tokens[tokens.astype(self.dtype) != tokens]
-            if bad.size:
-                raise ValueError(f"{self.bin_path}: token {bad[0]} does not fit this dataset's dtype {self.dtype}")
-        lengths = ([tokens.size] if tokens.size else []) if lengths is None else [int(n) for n in lengths]
+            if tokens.dtype.kind not in "iub" or bad.size:
+                raise ValueError(f"{self.bin_path}: tokens {tokens.dtype} {bad[:1]} do not fit the "
+                                 f"dataset's dtype {self.dtype}")
+        if lengths is None:
+            lengths = [tokens.size] if tokens.size else []
+        lengths = [int(n) for n in lengths]
         if any(n < 0 for n in lengths) or sum(lengths) != tokens.size:
-            raise ValueError(f"{self.bin_path}: sequence lengths {lengths} do not add up to the {tokens.size} tokens")
+            raise ValueError(f"{self.bin_path}: lengths {lengths} do not add up to {tokens.size} tokens")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self.sequence_lengths.extend(lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -240,17 +208,17 @@ class IndexedDatasetBuilder:
         self._bin.close()
         lengths = np.frombuffer(self.sequence_lengths, dtype=np.int64)
         boundaries = np.frombuffer(self.document_indices, dtype=np.int64)
+        pointers = (np.cumsum(lengths) - lengths) * self.dtype.itemsize
         with atomic_write(idx_path) as f:
             f.write(HEADER.pack(INDEX_MAGIC, 1, DTYPE_CODES[self.dtype], len(lengths), len(boundaries)))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(((np.cumsum(lengths) - lengths) * self.dtype.itemsize).astype("<i8").tobytes())  # the pointers
-            f.write(boundaries.astype("<i8").tobytes())
+            for values, dtype in ((lengths, "<i4"), (pointers, "<i8"), (boundaries, "<i8")):
+                f.write(values.astype(dtype).tobytes())
 
 
 # Which prefixes, which weights, which part of each, and the index arrays of each dataset
 def resolve_blend(paths):
-    """(prefixes, weights or None) for a prefix, a list of them, a Megatron blend list like ["30", p0, "70", p1] or a
-    glob, which gives the sorted prefixes of the .bin/.idx files or the prefixes it matches (as NeMo AutoModel)."""
+    """(prefixes, weights or None) of a prefix, a list of them, a blend list ["30", p0, "70", p1],
+    or a glob of files or prefixes (sorted, as NeMo AutoModel reads it)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = str(paths)
         if not glob.has_magic(paths):
@@ -260,80 +228,62 @@ def resolve_blend(paths):
         if not prefixes:
             raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files; {MISSING_DATA}")
         return prefixes, None
-    entries, numbers = [str(p).strip() for p in paths], []
+    entries = [str(p).strip() for p in paths]
     if not entries:
         raise ValueError("the blend list is empty")
-    for entry in entries:
-        try:
-            numbers.append(float(entry))
-        except ValueError:
-            numbers.append(None)
+    numbers = [as_number(entry) for entry in entries]
     if numbers.count(None) == len(numbers):
         return entries, None
     weights = numbers[0::2]
-    if len(entries) % 2 or None in weights:
-        why = (f"{len(entries)} entries" if len(entries) % 2 else
-               f"weight {entries[2 * weights.index(None)]!r} is not a number")
-        raise ValueError(f"blend list {entries}: {why}; it must alternate weight, prefix (or list only prefixes)")
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ValueError(f"blend list {entries}: weights must be positive finite numbers, got {entries[0::2]}")
-    if not math.isfinite(sum(weights)):  # normalizing would divide by inf: every share 0
-        raise ValueError(f"blend list {entries}: the weights {entries[0::2]} add up to more than a float holds; "
-                         f"scale them down (only their ratios count)")
+    if len(entries) % 2 or not all(w is not None and math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"blend list {entries}: it must alternate weight, prefix (or list only "
+                         f"prefixes), each weight a positive number")
     return entries[1::2], weights
 
 
+def as_number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def normalize(weights):
-    """Weights divided by their sum in float64, as megatron normalizes (bit for bit)."""
+    """Weights divided by their sum in float64, as megatron normalizes them (bit for bit)."""
     w = np.array(weights, dtype=np.float64)
     return (w / np.sum(w)).tolist()
 
 
 def split_matrix(split):
-    """Megatron's [(start, end) or None] * 3 fractions of each prefix for train/valid/test, from e.g. "969,30,1"."""
+    """Megatron's [(start, end) or None] * 3 of each prefix for train, valid, test: "969,30,1"."""
     numbers = re.findall(r"[.0-9]+", split)
-    try:
-        ratios = [float(n) for n in numbers] + [0.0] * (3 - len(numbers))
-        if not 1 <= len(numbers) <= 3 or sum(ratios) <= 0 or re.sub(r"[.0-9]+", "", split).strip(" ,/:\t"):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"split {split!r}: expected up to three non-negative numbers like '969,30,1'") from None
+    ratios = [as_number(n) for n in numbers] + [0.0] * (3 - len(numbers))
+    leftover = re.sub(r"[.0-9]+", "", split).strip(" ,/:\t")
+    if None in ratios or not 1 <= len(numbers) <= 3 or sum(ratios) <= 0 or leftover:
+        raise ValueError(f"split {split!r}: expected up to three numbers >= 0 like '969,30,1'")
     bookends = [0, *itertools.accumulate(normalize(ratios))]  # Python float sums, as megatron's
     return [(a, b) if b > a else None for a, b in zip(bookends[:-1], bookends[1:])]
 
 
 def split_range(num_sequences, bookends):
-    """The [begin, end) sequence range that a split's (start, end) fractions cover (Python's round, half to even)."""
+    """The [begin, end) sequences a split's (start, end) fractions cover (round half to even)."""
     return tuple(int(round(fraction * float(num_sequences))) for fraction in bookends)
 
 
 def token_weighted_blend(paths):
-    """The blend [str(tokens of p0), p0, ...] of `paths`: unlike an unweighted list, it goes past an epoch."""
+    """The blend [str(tokens of p0), p0, ...] of `paths`: unlike a list, it goes past an epoch."""
     prefixes, weights = resolve_blend(paths)
     if weights is not None:
-        raise ValueError(f"{paths}: already weighted; token_weighted_blend weights a list of prefixes")
+        raise ValueError(f"{paths}: already weighted; token_weighted_blend weights prefixes")
     blend = []
     for prefix in prefixes:
-        tokens = IndexedDataset(prefix, check=False).num_tokens  # the build checks each index, once per version
-        if tokens == 0:
-            raise ValueError(f"{prefix}.bin: holds no tokens, so it cannot take part in a token-weighted blend")
-        blend += [str(tokens), prefix]
+        # The build checks each index. A prefix without tokens has weight 0, which resolve_blend refuses.
+        blend += [str(IndexedDataset(prefix, check=False).num_tokens), prefix]
     return blend
 
 
-def epochs(tokens_per_epoch, *, seq_length, num_samples, extra):
-    """(epochs, whether the last is shuffled apart) that megatron's GPTDataset builds for `num_samples`: with the
-    data, the seed and the lengths, all that its index arrays depend on (num_samples matters only through them)."""
-    num_epochs = 1 if num_samples is None else max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
-    samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
-    samples_per_epoch = (tokens_per_epoch - extra) // seq_length
-    separate_final_epoch = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
-    return num_epochs, separate_final_epoch
-
-
 def one_epoch_samples(paths, *, seq_length, split, split_index=0, add_extra_token=True):
-    """The samples of one epoch of split `split_index` of every prefix of `paths` together: all that an unweighted
-    list of prefixes gives (megatron-core's cap), counted from the sequence lengths without building any index."""
+    """The samples in one epoch of a split of all of `paths`: what an unweighted list can give."""
     bookends = split_matrix(split)[split_index]
     total = 0
     for prefix in resolve_blend(paths)[0] if bookends is not None else []:
@@ -344,136 +294,135 @@ def one_epoch_samples(paths, *, seq_length, split, split_index=0, add_extra_toke
     return total
 
 
-def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
-    """megatron-core GPTDataset's {document_index, sample_index, shuffle_index} of sequences [begin, end), in epochs."""
-    extra = int(add_extra_token)
-    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))  # > 0: build_gpt_datasets checks
-    num_epochs, separate_final_epoch = epochs(tokens_per_epoch, seq_length=seq_length, num_samples=num_samples,
-                                              extra=extra)
+def gpt_plan(sequence_lengths, begin, end, *, seq_length, num_samples, extra):
+    """(epochs, whether the last is shuffled apart, samples before it, {array: (dtype, shape)}) of
+    megatron's GPTDataset for `num_samples`: with the data and seed, all that decides its arrays."""
+    tokens_per_epoch = int(np.sum(sequence_lengths[begin:end], dtype=np.int64))
+    num_epochs = 1
+    if num_samples is not None:
+        num_epochs = max(1, -(-(num_samples * seq_length + extra) // tokens_per_epoch))
     samples_before_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
-    total_samples = (num_epochs * tokens_per_epoch - extra) // seq_length
-    # drawn in this order: the document shuffle(s), then the sample shuffle(s); a separate final epoch is shuffled
-    # apart from the epochs before it (shuffling nothing draws nothing)
+    samples_per_epoch = (tokens_per_epoch - extra) // seq_length
+    separate = num_epochs > 1 and num_samples - samples_before_final_epoch < int(0.80 * samples_per_epoch)
+    samples, positions = (num_epochs * tokens_per_epoch - extra) // seq_length, num_epochs * (end - begin)
+    wide = max(positions, int(sequence_lengths.max(initial=0))) > np.iinfo(np.int32).max
+    layout = {"document_index": (np.dtype(np.int32), (positions,)),
+              "sample_index": (np.dtype(np.int64 if wide else np.int32), (samples + 1, 2)),
+              "shuffle_index": (np.dtype(np.int64 if samples >= 2**32 - 2 else np.uint32), (samples,))}
+    return num_epochs, separate, samples_before_final_epoch, layout
+
+
+def gpt_indices(sequence_lengths, begin, end, *, seq_length, num_samples, seed, add_extra_token=True):
+    """megatron-core GPTDataset's {document_index, sample_index, shuffle_index} of [begin, end)."""
+    extra = int(add_extra_token)
+    num_epochs, separate_final_epoch, samples_before_final_epoch, layout = gpt_plan(
+        sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples, extra=extra)
+    # Megatron draws the document shuffle(s), then the sample shuffle(s); a separate final epoch is
+    # shuffled apart from the epochs before it (shuffling nothing draws nothing).
     rng = np.random.RandomState(seed)
     document_index = np.tile(np.arange(begin, end, dtype=np.int32), num_epochs)
     cut = (num_epochs - separate_final_epoch) * (end - begin)
     rng.shuffle(document_index[:cut])
     rng.shuffle(document_index[cut:])
-    # sample_index: the (position in the document index, token offset in that sequence) where each sample starts, at
-    # once instead of Megatron's C++ walk: row k lies in the last sequence starting at or before token k * seq_length +
-    # extra - 1 (empty ones are stepped over), i.e. the count of sequences whose first row is <= k, minus one
-    sizes = np.array(sequence_lengths[begin:end], dtype=np.int32)[document_index - begin]  # aligned: gathers faster
-    starts = np.zeros(len(sizes), dtype=np.int64)
-    np.cumsum(sizes[:-1], dtype=np.int64, out=starts[1:])
-    del sizes  # before the sample index is made
-    first_rows = starts + (seq_length - extra)
-    first_rows //= seq_length
-    int32_fits = max(len(document_index), int(sequence_lengths.max())) <= np.iinfo(np.int32).max
-    sample_index = np.zeros((total_samples + 1, 2), dtype=np.int32 if int32_fits else np.int64)
-    block = 1 << 18  # rows at a time: bounds the temporaries
-    for first in range(1, total_samples + 1, block):
-        last = min(first + block, total_samples + 1)
-        begun_before, begun_by_last = np.searchsorted(first_rows, [first, last])
-        sequence = np.cumsum(np.bincount(first_rows[begun_before:begun_by_last] - first, minlength=last - first))
-        sequence += begun_before - 1
-        sample_index[first:last, 0] = sequence
-        sample_index[first:last, 1] = np.arange(first, last, dtype=np.int64) * seq_length - starts[sequence]
-    shuffle_index = np.arange(total_samples, dtype=np.uint32 if total_samples < 2**32 - 2 else np.int64)
-    cut = samples_before_final_epoch if separate_final_epoch else total_samples
+    sample_index = np.zeros(layout["sample_index"][1], layout["sample_index"][0])
+    # Gathering from an aligned int32 copy of the split's lengths is faster than from the mapping.
+    sizes = np.array(sequence_lengths[begin:end], dtype=np.int32)[document_index - begin]
+    fill_sample_index(sample_index, sizes, seq_length=seq_length, extra=extra)
+    shuffle_index = np.arange(len(sample_index) - 1, dtype=layout["shuffle_index"][0])
+    cut = samples_before_final_epoch if separate_final_epoch else len(shuffle_index)
     rng.shuffle(shuffle_index[:cut])
     rng.shuffle(shuffle_index[cut:])
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
-class BuildStopped(Exception):
-    """A blend's index build ended early because the build it was part of failed (the error worth reading)."""
+def fill_sample_index(sample_index, sizes, *, seq_length, extra, block=1 << 18):
+    """Rows 1.. of the sample index: the (position in the document index, token offset) where each
+    sample starts; `sizes` are the sequences' lengths in document-index order. Megatron walks them;
+    here row k is at once the count of sequences whose first row is <= k, minus one."""
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], dtype=np.int64, out=starts[1:])
+    first_rows = starts + (seq_length - extra)
+    first_rows //= seq_length
+    for first in range(1, len(sample_index), block):
+        last = min(first + block, len(sample_index))
+        begun_before, begun_by_last = np.searchsorted(first_rows, [first, last])
+        begun = np.bincount(first_rows[begun_before:begun_by_last] - first, minlength=last - first)
+        sequence = np.cumsum(begun) + (begun_before - 1)
+        sample_index[first:last, 0] = sequence
+        offsets = np.arange(first, last, dtype=np.int64) * seq_length - starts[sequence]
+        sample_index[first:last, 1] = offsets
 
 
-def blending_indices(weights, size=None, stop=None):
-    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with `size`, step s draws the
-    dataset maximising weights[d] * max(s, 1) - draws[d] (first on ties, in float64); without, `weights` are counts.
-    Chunks of the greedy run side by side from a guess, each rerun from where the one before ended until exact.
-    `stop`: a threading.Event that, once set, ends the build (BuildStopped) within a fraction of a second."""
+def blending_indices(weights, size=None):
+    """megatron-core BlendedDataset's (dataset_index int16, dataset_sample_index int64): with `size`, step s
+    draws the dataset maximising weights[d] * max(s, 1) - draws[d] (the first on ties, in float64); without,
+    `weights` are exact counts. Megatron's loop is sequential; here chunks of CHUNK steps run side by side
+    from a guess of their starting draws, and a chunk that did not start where the one before ended runs
+    again from there, until all agree."""
+    quotas = None
     if size is None:
         quotas = np.asarray(weights, dtype=np.int64)
         size, weights = int(quotas.sum()), quotas / float(quotas.sum())
-    else:
-        quotas, weights = None, np.asarray(weights, dtype=np.float64)
+    weights = np.asarray(weights, dtype=np.float64)
     num_chunks = -(-size // CHUNK)
     first_steps = np.arange(num_chunks, dtype=np.int64) * CHUNK
+    # The guess: WARM_UP steps from the ideal draws (floors, plus one for the largest fractions).
     guess_steps = first_steps[1:] - WARM_UP
-    ideal = weights * (guess_steps - 1)[:, None]  # the guess: floors, plus one for the largest fractional parts
+    ideal = weights * (guess_steps - 1)[:, None]
     guess = np.floor(ideal).astype(np.int64)
     rank = np.argsort(np.argsort(guess - ideal, axis=1, kind="stable"), axis=1, kind="stable")
     guess += rank < (guess_steps - guess.sum(axis=1))[:, None]
-    del ideal, rank
     if quotas is not None:
         np.minimum(guess, quotas, out=guess)
     start_draws = np.zeros((num_chunks, len(weights)), dtype=np.int64)  # exact for chunk 0
     warm_up = np.empty((len(guess), WARM_UP), np.int16), np.empty((len(guess), WARM_UP), np.int64)
-    start_draws[1:] = _greedy(weights, quotas, guess_steps, guess, *warm_up, stop=stop)
-    del guess, warm_up
+    start_draws[1:] = greedy(weights, quotas, guess_steps, guess, *warm_up)
     dataset_index = np.empty((num_chunks, CHUNK), dtype=np.int16)
     dataset_sample_index = np.empty((num_chunks, CHUNK), dtype=np.int64)
-    end_draws = _greedy(weights, quotas, first_steps, start_draws, dataset_index, dataset_sample_index, stop=stop)
-    while True:  # a chunk that did not start where the one before ended is run again from there
-        todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
-        if not todo.size:
-            return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
-        start_draws[todo] = end_draws[todo - 1]
+    todo = np.arange(num_chunks)
+    end_draws = np.empty_like(start_draws)
+    while todo.size:
         picks, samples = dataset_index[todo], dataset_sample_index[todo]
-        end_draws[todo] = _greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples, stop=stop)
+        end_draws[todo] = greedy(weights, quotas, first_steps[todo], start_draws[todo], picks, samples)
         dataset_index[todo], dataset_sample_index[todo] = picks, samples
+        todo = np.flatnonzero((start_draws[1:] != end_draws[:-1]).any(axis=1)) + 1
+        start_draws[todo] = end_draws[todo - 1]
+    return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
 
 
-def _greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, flush=64, stop=None):
-    """Run len(picks[0]) greedy steps from each row of `draws` (row r starting at step first_steps[r]): the datasets
-    picked and their sample numbers into `picks` and `samples`; returns the draws after. Rows go up to `block`
-    (datasets x rows) values at a time; with enough of them, blocks run side by side in threads, one a core (numpy
-    lets go of the GIL in each step's arithmetic; small blocks would spend their time waiting for it)."""
-    num_datasets = len(weights)
-    threads = max(1, min(usable_cores(), 8, len(draws) * num_datasets // (1 << 17)))
-    rows = max(8, min(block // num_datasets, -(-len(draws) // threads)))
+def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19):
+    """Run len(picks[0]) greedy steps from each row of `draws` (row r from step first_steps[r]) into
+    `picks` and `samples`; return the draws after. `block` values at a time bound temporaries."""
+    rows = max(8, block // len(weights))
     end_draws = np.empty_like(draws)
-
-    def run(first):
-        last = min(first + rows, len(draws))
-        end_draws[first:last] = _greedy_rows(weights, quotas, first_steps[first:last], draws[first:last],
-                                             picks[first:last], samples[first:last], flush, stop)
-
-    if threads == 1:
-        for first in range(0, len(draws), rows):
-            run(first)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, range(0, len(draws), rows)))  # raises a block's error
+    for first in range(0, len(draws), rows):
+        part = slice(first, first + rows)
+        end_draws[part] = greedy_rows(weights, quotas, first_steps[part], draws[part], picks[part], samples[part])
     return end_draws
 
 
-def _greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush, stop):
-    """_greedy on one block of rows, held as (datasets, rows) so that each step reduces over axis 0; each step's
-    picks go to a contiguous scratch row, copied out every `flush` steps (a column write per step costs more than
-    the step's arithmetic)."""
+def greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush=64):
+    """greedy() on one block of rows, held as (datasets, rows): each step reduces over axis 0. Picks
+    go to a scratch row, copied out every `flush` steps: a column write costs more than a step."""
     num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    column = weights[:, None]
     counts = np.ascontiguousarray(draws.T, dtype=np.float64)
     flat_counts = counts.reshape(-1)
-    # row r's pick d is flat_counts[d * n + r], and d = num_datasets - (its value in first_on_ties)
+    # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
     flat_end = num_datasets * n + np.arange(n)
-    error, is_max, ties = np.empty(counts.shape), np.empty(counts.shape, bool), np.empty(counts.shape, np.int16)
+    error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
+    ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
     row_steps, x, next_sample = first_steps.astype(np.float64), np.empty(n), np.empty(n)
-    where = np.empty(n, np.int64)
     tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
     for t in range(steps):
         np.add(row_steps, t, out=x)
         if t == 0:
             np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
-        np.multiply(column, x, out=error)
+        np.multiply(weights[:, None], x, out=error)
         np.subtract(error, counts, out=error)
         if quotas is not None:
             np.putmask(error, counts >= quotas[:, None], -np.inf)
-        # argmax over datasets, first on ties; np.argmax along axis 0 is several times slower
+        # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
         np.equal(error, error.max(axis=0), out=is_max)
         np.multiply(is_max, first_on_ties, out=ties)
         top = ties.max(axis=0, out=tie_values[t % flush])
@@ -483,172 +432,148 @@ def _greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush, sto
         np.add(sample, 1.0, out=next_sample)
         flat_counts[where] = next_sample
         if t % flush == flush - 1 or t == steps - 1:
-            if stop is not None and stop.is_set():
-                raise BuildStopped("the build this blend was part of failed")
             done = t % flush + 1
             picks[:, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
             samples[:, t + 1 - done:t + 1] = drawn[:done].T
     return counts.T
 
 
-class CacheWrites:
-    """While build_gpt_datasets builds, the cache's files are written by threads beside it: each publish waits for its
-    fsyncs (several ms each), which then overlap each other and the next build instead of adding up."""
-    pool = futures = paths = None
-
-    def __enter__(self):
-        CacheWrites.pool, CacheWrites.futures, CacheWrites.paths = concurrent.futures.ThreadPoolExecutor(8), [], set()
-        return self
-
-    def __exit__(self, *exc_info):
-        pool, done = CacheWrites.pool, CacheWrites.futures
-        CacheWrites.pool = CacheWrites.futures = CacheWrites.paths = None
-        pool.shutdown(wait=True)  # every file is published (or failed) before the datasets are returned
-        for future in done:
-            future.result()  # raises the first write's error (a WriteError naming the file)
-
-    @staticmethod
-    def submit(write, path, *args):
-        """write(path, *args), once per path: two prefixes holding the same data share their cache entry, whose
-        files two threads of one process must not write at once (their temporaries are named per process)."""
-        if CacheWrites.pool is None:
-            write(path, *args)
-        elif path not in CacheWrites.paths:
-            CacheWrites.paths.add(path)
-            CacheWrites.futures.append(CacheWrites.pool.submit(write, path, *args))
+# The index cache
+def key_digest(key):
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def publish(base, key, arrays):
-    """The arrays, then the description that vouches for them: a description is never there without its arrays."""
-    for array_name, values in arrays.items():
-        with atomic_write(f"{base}-{array_name}.npy") as f:
-            np.save(f, values)
-    with atomic_write(base + ".json", "w") as f:
-        json.dump({"key": key, "arrays": list(arrays)}, f, indent=1)
+def sampled_checksum(path, offset, itemsize, count, samples=256):
+    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`: it catches an array
+    zeroed or overwritten in any sizeable part with a few hundred preads, which keep the pages out of
+    this process (a mapping would keep the whole cache resident)."""
+    picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
+    with open(path, "rb") as f:
+        items = [os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()]
+    return zlib.crc32(b"".join(items))
 
 
-def cached(cache_dir, name, key, build):
-    """The arrays `build()` returns, kept in `cache_dir` (by node_leader()) as `{hash}-{name}-{array}.npy` and, written
-    last, `{hash}-{name}.json` holding `key` (every parameter, each source's fingerprint); what does not load is
-    rebuilt."""
-    if cache_dir is None:
-        return build()
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    base = os.path.join(cache_dir, f"{digest}-{name}")
-    if os.path.exists(base + ".json"):
-        try:
-            with open(base + ".json") as f:
-                description = json.load(f)
-            if description["key"] != key:
-                raise ValueError("its key differs")
-            return {array: np.load(f"{base}-{array}.npy", mmap_mode="r") for array in description["arrays"]}
-        except Exception as error:  # whatever is wrong with it, a rebuild is the cure
-            log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
-    arrays = build()
-    if node_leader():  # the other ranks of its node load what it wrote
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-        except OSError as error:
-            raise WriteError(error.errno, error.strerror, cache_dir) from None
-        CacheWrites.submit(publish, base, key, arrays)
+def make_cache_dir(cache_dir):
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as error:
+        raise WriteError(error.errno, error.strerror, cache_dir) from None
+
+
+def load_entry(base, key, layout):
+    """The arrays of cache entry `base`, mapped, if its description has `key` and lists exactly the
+    arrays of `layout` ({name: (dtype, shape)}), each of its dtype and shape and unchanged."""
+    with open(base + ".json") as f:
+        description = json.load(f)
+    if description["key"] != key:
+        raise ValueError("its key differs")
+    checksums = description["arrays"]
+    if sorted(checksums) != sorted(layout):
+        raise ValueError(f"it lists the arrays {sorted(checksums)}, not {sorted(layout)}")
+    arrays = {}
+    for name, (dtype, shape) in layout.items():
+        values = arrays[name] = np.load(f"{base}-{name}.npy", mmap_mode="r")
+        if values.dtype != dtype or values.shape != shape:
+            raise ValueError(f"{name} is {values.dtype}{values.shape}, not {dtype}{shape}")
+        if sampled_checksum(values.filename, values.offset, values.itemsize, values.size) != checksums[name]:
+            raise ValueError(f"{name} holds other values than were written")
     return arrays
 
 
-def check_once(dataset, cache_dir, racy_seconds=2.0):
-    """Learn `dataset`'s fingerprint, and return the index check still owed (a function), or None when a record
-    vouches for these files. `cache_dir` keeps a record `{hash}-IndexedDataset-checked.json` of each version of the
-    files (sizes, times, inode) with its fingerprint, so a warm start hashes and checks nothing. A record made within
-    `racy_seconds` of a file's last change might miss a rewrite in the same clock tick (git's "racy clean" files):
-    its fingerprint is hashed again, and the index checked only if it differs. The fingerprint keys the cache, so
-    the build waits for it; the check reads the index again and can run beside the build."""
-    version = dataset.version()
-    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "version": version}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    path = None if cache_dir is None else os.path.join(cache_dir, f"{digest}-IndexedDataset-checked.json")
+def cached(cache_dir, name, key, layout, build):
+    """(arrays, seconds the build took or None) of `build()`, kept in `cache_dir` as {hash}-{name}-*.npy
+    and, written last, their description {hash}-{name}.json. Only node_leader() writes."""
+    base = os.path.join(cache_dir or "", f"{key_digest(key)}-{name}")
+    if cache_dir is not None and os.path.exists(base + ".json"):
+        try:
+            return load_entry(base, key, layout), None
+        except Exception as error:  # whatever is wrong with the entry, a rebuild cures it
+            log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
+    t0 = time.perf_counter()
+    arrays = build()
+    seconds = time.perf_counter() - t0
+    if cache_dir is not None and node_leader():
+        make_cache_dir(cache_dir)
+        checksums = {}
+        for array_name, values in arrays.items():
+            path, values = f"{base}-{array_name}.npy", np.ascontiguousarray(values)
+            # Not fsynced (as megatron's are not): load_entry checks what a crash may have left.
+            with atomic_write(path, durable=False) as f:
+                # Written through f.write, since np.save reports a full disk as a short count only.
+                header = np.lib.format.header_data_from_array_1_0(values)
+                np.lib.format.write_array_header_1_0(f, header)
+                offset = f.tell()
+                f.write(memoryview(values.reshape(-1)).cast("B"))
+            checksums[array_name] = sampled_checksum(path, offset, values.itemsize, values.size)
+        with atomic_write(base + ".json", "w", durable=False) as f:
+            json.dump({"key": key, "arrays": checksums}, f, indent=1)
+    return arrays, seconds
+
+
+def check_once(dataset, cache_dir):
+    """Check `dataset`'s index and learn its fingerprint, unless `cache_dir` has a record that this
+    version of the files passed, with their fingerprint: a warm start then hashes and checks nothing."""
+    if cache_dir is None:
+        return dataset.check()
+    # Each file's size, times and inode tell a new version without reading it, as make and git do.
+    files = [os.stat(dataset.path_prefix + suffix) for suffix in (".idx", ".bin")]
+    files = [[st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for st in files]
+    key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": os.path.abspath(dataset.path_prefix),
+           "files": files}
+    path = os.path.join(cache_dir, f"{key_digest(key)}-IndexedDataset-checked.json")
     try:
         with open(path) as f:
             record = json.load(f)
         if record["key"] == key:
-            newest_change = max(max(times[1:3]) for times in version["files"]) / 1e9
-            if record["written"] - newest_change > racy_seconds or dataset.fingerprint == record["fingerprint"]:
-                dataset.fingerprint = record["fingerprint"]  # what the hash of these very files gave
-                return None
-    except (OSError, ValueError, KeyError, TypeError):  # no cache, no record, or one that does not load: check
+            dataset.fingerprint = record["fingerprint"]
+            return
+    except (OSError, ValueError, KeyError, TypeError):  # no record, or a damaged one
         pass
-    fingerprint = dataset.fingerprint  # hashed here, before the build asks for it
-
-    def check_and_record():
-        dataset.check()
-        if path is not None and node_leader():
-            try:
-                os.makedirs(cache_dir, exist_ok=True)
-            except OSError as error:
-                raise WriteError(error.errno, error.strerror, cache_dir) from None
-            CacheWrites.submit(write_json, path, {"key": key, "fingerprint": fingerprint, "written": time.time()})
-
-    return check_and_record
-
-
-def write_json(path, content):
-    with atomic_write(path, "w") as f:
-        json.dump(content, f, indent=1)
+    dataset.check()
+    if node_leader():
+        make_cache_dir(cache_dir)
+        with atomic_write(path, "w", durable=False) as f:  # checked on loading, as the cache is
+            json.dump({"key": key, "fingerprint": dataset.fingerprint}, f)
 
 
 def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
-    """(a directory per prefix, one for the blends if `blended`): `cache_dir`; else beside the data as megatron-core
-    keeps them (the blends beside the first prefix); where that is read-only, `fallback_cache_dir` (None: in memory)."""
+    """(a directory per prefix, one for the blends if `blended`): `cache_dir`, else beside the data, as
+    megatron-core keeps them, else `fallback_cache_dir` (None: the indices are not kept)."""
     if cache_dir is not None:
         return [cache_dir] * len(prefixes), cache_dir
-
-    def beside(prefix, kind):
-        path = parent = os.path.join(prefix, "cache", f"{kind}_indices")
-        while not os.path.exists(parent):  # writable if its nearest existing ancestor is a writable directory
-            parent = os.path.dirname(parent) or "."
-        if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
-            return path
-        if fallback_cache_dir is None:
-            log(f"{path}: not writable and no fallback cache directory: the indices are not kept")
-        return fallback_cache_dir
-
-    return [beside(p, "GPTDataset") for p in prefixes], beside(prefixes[0], "BlendedDataset") if blended else None
+    dirs = [cache_dir_beside(p, "GPTDataset", fallback_cache_dir) for p in prefixes]
+    return dirs, cache_dir_beside(prefixes[0], "BlendedDataset", fallback_cache_dir) if blended else None
 
 
-def release_free_memory():
-    """Hand the free pages of the C heap back to the OS (glibc's malloc_trim; elsewhere nothing). glibc keeps much
-    of what numpy frees, per thread: with a blend built in a thread beside the datasets, what one build freed would
-    stay resident through the next and raise the peak (10BT: 515 -> 473 MiB)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # no such function, or no C library to ask (Windows)
-        pass
+def cache_dir_beside(prefix, kind, fallback_cache_dir):
+    path = parent = os.path.join(prefix, "cache", f"{kind}_indices")
+    while not os.path.exists(parent):  # it can be made if its nearest ancestor is writable
+        parent = os.path.dirname(parent) or "."
+    if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+        return path
+    if fallback_cache_dir is None:
+        log(f"{path}: not writable and no fallback cache directory: the indices are not kept")
+    return fallback_cache_dir
 
 
 # Datasets: training samples, validation windows in order, and the training sampler
 class GPTDataset:
-    """megatron-core's GPTDataset of sequences [begin, end); without `add_extra_token` the last label is -100."""
+    """megatron-core's GPTDataset of sequences [begin, end); the last label is -100 without extra."""
 
-    def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True, split="train",
-                 cache_dir=None):
+    def __init__(self, dataset, begin, end, *, seq_length, num_samples, seed, add_extra_token=True,
+                 split="train", cache_dir=None):
         self.dataset, self.seq_length, self.extra = dataset, seq_length, int(add_extra_token)
         key = {"format": CACHE_FORMAT, "class": "GPTDataset", "split": split, "source": dataset.fingerprint,
                "sequences": [begin, end], "num_samples": num_samples, "seq_length": seq_length, "seed": seed,
                "add_extra_token": bool(self.extra)}
-        # the key less num_samples, plus what num_samples decides: equal orders are equal index arrays
-        tokens_per_epoch = int(np.sum(dataset.sequence_lengths[begin:end], dtype=np.int64))
-        num_epochs, separate = epochs(tokens_per_epoch, seq_length=seq_length, num_samples=num_samples, extra=self.extra)
+        options = dict(seq_length=seq_length, num_samples=num_samples)
+        num_epochs, separate, _, layout = gpt_plan(dataset.sequence_lengths, begin, end, **options, extra=self.extra)
+        # The order: the key less num_samples, plus what it decides. Equal orders, equal arrays.
         self.order = {k: v for k, v in key.items() if k not in ("format", "num_samples")}
         self.order.update(epochs=num_epochs, separate_final_epoch=separate)
-        self.build_seconds = None  # how long the build took; None when the cache had it
-
-        def build():
-            t0 = time.perf_counter()
-            arrays = gpt_indices(dataset.sequence_lengths, begin, end, seq_length=seq_length, num_samples=num_samples,
-                                 seed=seed, add_extra_token=add_extra_token)
-            release_free_memory()
-            self.build_seconds = time.perf_counter() - t0
-            return arrays
-
-        arrays = cached(cache_dir, f"GPTDataset-{split}", key, build)
+        build = functools.partial(gpt_indices, dataset.sequence_lengths, begin, end, seed=seed, **options,
+                                  add_extra_token=add_extra_token)
+        arrays, self.build_seconds = cached(cache_dir, f"GPTDataset-{split}", key, layout, build)
         self.document_index, self.sample_index, self.shuffle_index = arrays.values()
 
     def __len__(self):
@@ -657,14 +582,15 @@ class GPTDataset:
     def __getitem__(self, i):
         j = self.shuffle_index[i]
         (first, first_offset), (last, last_offset) = self.sample_index[j], self.sample_index[j + 1]
-        pieces = [self.dataset.get(self.document_index[k]) for k in range(first, last + 1)]  # views: nothing is read
-        pieces[-1] = pieces[-1][:last_offset + self.extra]  # the end first: the sample may lie in one sequence
+        pieces = [self.dataset.get(self.document_index[k]) for k in range(first, last + 1)]
+        pieces[-1] = pieces[-1][:last_offset + self.extra]  # first, as both may be one sequence
         pieces[0] = pieces[0][first_offset:]
         text = np.concatenate(pieces, dtype=np.int64)
         if len(text) != self.seq_length + self.extra:  # the index under the sample changed
             raise self.dataset.changed(f"sample {i} has {len(text)} tokens, not {self.seq_length + self.extra}")
-        labels = text[1:] if self.extra else np.append(text[1:], -100)  # megatron pads the last label and masks it
-        return {"tokens": text[:len(labels)], "labels": labels}
+        if not self.extra:  # megatron pads the last label and masks it
+            return {"tokens": text, "labels": np.append(text[1:], -100)}
+        return {"tokens": text[:-1], "labels": text[1:]}
 
     def describe(self, i):
         """Where sample i comes from, e.g. "data/a_text_document: documents 12, 7 (sample 77)"."""
@@ -674,46 +600,38 @@ class GPTDataset:
         return f"{self.dataset.path_prefix}: {self.dataset.documents(sequences)} (sample {i})"
 
 
-def cached_blending_indices(weights, size, *, split="train", cache_dir=None, names=(), stop=None):
-    """BlendedDataset's arrays (dataset_index, dataset_sample_index) for `weights` and `size` (without a size, the
-    weights are exact counts), kept in `cache_dir`; the datasets are not needed, so they can be built beside it.
-    `names`: the datasets' prefixes, for the log; `stop`: a threading.Event that ends the build (blending_indices)."""
+def cached_blending_indices(weights, size, *, split="train", cache_dir=None, names=()):
+    """BlendedDataset's (dataset_index, dataset_sample_index), kept in `cache_dir`; `names`: the log's."""
     if size is not None:
         weights = normalize(weights)  # again, as megatron does
     key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
+    length = int(sum(weights)) if size is None else size
+    layout = {"dataset_index": (np.dtype(np.int16), (length,)), "dataset_sample_index": (np.dtype(np.int64), (length,))}
 
     def build():
-        t0 = time.time()
-        dataset_index, dataset_sample_index = blending_indices(weights, size, stop=stop)
-        log(f"{split} blend of {len(weights)} datasets, {len(dataset_index)} samples, built in "
-            f"{time.time() - t0:.2f}s")
-        draws = sum(np.bincount(dataset_index[k:k + (1 << 20)], minlength=len(weights))  # bounded temporaries
-                    for k in range(0, len(dataset_index), 1 << 20))
-        if len(weights) <= 8:
-            for name, weight, drawn in zip(names, normalize(weights), draws):
-                log(f"{split} blend: {name}: weight {weight:.4g}, {drawn:,} samples")
-        else:  # a few lines at any scale
-            log(f"{split} blend: weights {min(normalize(weights)):.4g} to {max(normalize(weights)):.4g}, "
-                f"{draws.min():,} to {draws.max():,} samples per dataset")
-        return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+        return dict(zip(layout, blending_indices(weights, size)))
 
-    arrays = cached(cache_dir, f"BlendedDataset-{split}", key, build)
+    arrays, seconds = cached(cache_dir, f"BlendedDataset-{split}", key, layout, build)
+    if seconds is not None:
+        drawn = sum(np.bincount(arrays["dataset_index"][k:k + (1 << 20)], minlength=len(weights))
+                    for k in range(0, length, 1 << 20))  # bounded temporaries
+        shares = ", ".join(f"{name} {n:,}" for name, n in zip(names[:8], drawn))
+        log(f"{split} blend of {length:,} samples built in {seconds:.2f}s: {shares}")
     return arrays["dataset_index"], arrays["dataset_sample_index"]
 
 
 class BlendedDataset:
-    """megatron-core's BlendedDataset: sample i is sample `dataset_sample_index[i]` of `datasets[dataset_index[i]]`."""
+    """megatron's BlendedDataset: sample i is dataset_sample_index[i] of datasets[dataset_index[i]]."""
 
     def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, indices=None):
-        """`indices`: what cached_blending_indices(weights, size, ...) returned, when built beside the datasets."""
-        self.datasets = datasets
+        """`indices`: what cached_blending_indices returned, where it was built beside the datasets."""
+        self.datasets, names = datasets, [d.dataset.path_prefix for d in datasets]
         if indices is None:
-            indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir,
-                                    names=[d.dataset.path_prefix for d in datasets])
+            indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir, names=names)
         self.dataset_index, self.dataset_sample_index = indices
-        # the size only cuts the greedy draw short (without one, the draw differs): what decides the first samples
-        self.order = {"weights": normalize(weights) if size is not None else weights, "exhaustive": size is None,
-                      "datasets": [d.order for d in datasets]}
+        # A size only cuts the greedy draw short; without one, the draw differs.
+        self.order = {"weights": weights if size is None else normalize(weights),
+                      "exhaustive": size is None, "datasets": [d.order for d in datasets]}
 
     def __len__(self):
         return len(self.dataset_index)
@@ -723,181 +641,151 @@ class BlendedDataset:
 
     def describe(self, i):
         """Where sample i comes from: a sample of one of the blended datasets."""
-        return f"{self.datasets[self.dataset_index[i]].describe(self.dataset_sample_index[i])}, blend sample {i}"
+        part = self.datasets[self.dataset_index[i]]
+        return f"{part.describe(self.dataset_sample_index[i])}, blend sample {i}"
 
 
-def first_samples_agree(a, b, count, block=1 << 20):
-    """Whether samples [0, count) of the GPT or blended datasets `a` and `b` are the same samples in the same order:
-    the same datasets and sample numbers, and under them the same sequences at the same offsets (a comparison of the
-    index entries those samples reach, `block` samples at a time: no tokens are read)."""
-    if type(a) is not type(b) or min(len(a), len(b)) < count:
-        return False
-    if isinstance(a, BlendedDataset):
-        if len(a.datasets) != len(b.datasets):
-            return False
-        draws = np.zeros(len(a.datasets), dtype=np.int64)
-        for first in range(0, count, block):  # each dataset's samples are drawn in order: 0, 1, 2, ...
-            last = min(first + block, count)
-            if not (np.array_equal(a.dataset_index[first:last], b.dataset_index[first:last]) and
-                    np.array_equal(a.dataset_sample_index[first:last], b.dataset_sample_index[first:last])):
-                return False
-            draws += np.bincount(a.dataset_index[first:last], minlength=len(a.datasets))
-        return all(first_samples_agree(x, y, int(n)) for x, y, n in zip(a.datasets, b.datasets, draws, strict=True))
-    if (a.dataset.fingerprint, a.seq_length, a.extra) != (b.dataset.fingerprint, b.seq_length, b.extra):
-        return False
-    for first in range(0, count, block):
-        rows = []
-        for ds in (a, b):  # each sample's first and last rows of the sample index, and the sequences between them
-            j = np.asarray(ds.shuffle_index[first:min(first + block, count)], dtype=np.int64)
-            starts, ends = np.asarray(ds.sample_index[j], np.int64), np.asarray(ds.sample_index[j + 1], np.int64)
-            rows.append((starts, ends, ds.document_index))
-        (starts_a, ends_a, documents_a), (starts_b, ends_b, documents_b) = rows
-        if not (np.array_equal(starts_a[:, 1], starts_b[:, 1]) and np.array_equal(ends_a[:, 1], ends_b[:, 1]) and
-                np.array_equal(ends_a[:, 0] - starts_a[:, 0], ends_b[:, 0] - starts_b[:, 0])):
-            return False
-        spans = ends_a[:, 0] - starts_a[:, 0] + 1  # positions start..end of each sample in either document index
-        steps = np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans)
-        if not np.array_equal(documents_a[np.repeat(starts_a[:, 0], spans) + steps],
-                              documents_b[np.repeat(starts_b[:, 0], spans) + steps]):
-            return False
-    return True
+def first_samples_agree(a, b, count):
+    """Whether samples [0, count) of the GPT or blended datasets `a` and `b` are the same samples in
+    the same order. Their orders say it: equal orders are equal index arrays (a size only cuts them
+    short), and other epochs or weights shuffle or draw otherwise from the first sample on."""
+    return a.order == b.order and min(len(a), len(b)) >= count
 
 
-def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None), cache_dir=None,
-                       fallback_cache_dir=None):
-    """(train, valid, test), each None without samples, as megatron-core's BlendedMegatronDatasetBuilder builds them
-    from `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch); cached (cache_dirs) by rank 0."""
-    if not isinstance(seq_length, (int, np.integer)) or seq_length < 1:
-        raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
-    if not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-    if len(sizes) != 3 or not all(s is None or (isinstance(s, (int, np.integer)) and s >= 0) for s in sizes):
-        raise ValueError(f"sizes must be (n_train, n_valid, n_test), each a non-negative int or None; got {sizes}")
-    seq_length, seed, sizes = int(seq_length), int(seed), [None if s is None else int(s) for s in sizes]
-    prefixes, weights = resolve_blend(paths)
-    matrix = split_matrix(split)
-    datasets = [IndexedDataset(prefix, check=False) for prefix in prefixes]  # checked in build(), once per file
-    if weights is not None:
-        missing = [SPLITS[i] for i in range(3) if matrix[i] is not None and sizes[i] is None]
-        if missing:
-            raise ValueError(f"a weighted blend needs a size for every split it builds; {missing} have None")
-        weights = normalize(weights)
-    dirs, blend_dir = cache_dirs(prefixes, cache_dir, fallback_cache_dir, len(prefixes) > 1 or weights is not None)
-    rank, world_size = distributed()
-    stop_building = threading.Event()
+def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=(None, None, None),
+                       cache_dir=None, fallback_cache_dir=None):
+    """(train, valid, test), each None without samples, as megatron-core's builder makes them from
+    `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch)."""
+    sizes = [None if s is None else int(s) for s in sizes]
+    builder = SplitsBuilder(paths, split, sizes, int(seq_length), int(seed), cache_dir, fallback_cache_dir)
+    if distributed()[1] == 1 or not builder.caches:
+        return builder.build()
+    return build_in_turns(builder.build)
 
-    def gpt_split(d, i, num_samples):
-        """The GPTDataset of split i of datasets[d], or None when it yields no samples."""
-        dataset = datasets[d]
-        begin, end = split_range(len(dataset), matrix[i])
-        if not dataset.sequence_lengths[begin:end].any():
-            if num_samples:  # megatron-core loops forever here
-                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({split!r} of {len(dataset)} "
-                                 f"sequences: [{begin}, {end})) has no tokens, but {num_samples} samples were asked")
-            return None
-        ds = GPTDataset(dataset, begin, end, seq_length=seq_length, num_samples=num_samples, seed=seed,
-                        split=SPLITS[i], cache_dir=dirs[d])
-        return ds if len(ds) else None
 
-    def split_dataset(i, pool):
-        if matrix[i] is None:
-            return None
-        t0 = time.perf_counter()
-        blended = blended_split(i, pool)
-        parts = getattr(blended, "datasets", [blended] if blended is not None else [])
-        built = [part for part in parts if part.build_seconds is not None]
-        if built:  # one line per split, whatever the number of prefixes
-            where = built[0].dataset.path_prefix if len(parts) == 1 else f"{len(built)} of {len(parts)} prefixes"
-            log(f"{where}: {SPLITS[i]} indices, {sum(len(p) for p in built):,} samples of {seq_length} tokens from "
-                f"{sum(len(p.document_index) for p in built):,} sequences, built in "
-                f"{sum(p.build_seconds for p in built):.2f}s ({time.perf_counter() - t0:.2f}s for the whole split)")
-        return blended
-
-    def blended_split(i, pool):
-        if weights is None and len(prefixes) == 1:
-            return gpt_split(0, i, sizes[i])
-        indices = None
-        if weights is not None:  # samples per dataset: blended (target), and built with megatron's 0.5% surplus
-            targets = [math.ceil(sizes[i] * w) for w in weights]
-            blend_weights, blend_size = weights, sum(targets)
-            if blend_size:  # the blend's index needs no dataset: a thread builds it beside them
-                indices = pool.submit(cached_blending_indices, blend_weights, blend_size, split=SPLITS[i],
-                                      cache_dir=blend_dir, names=prefixes, stop=stop_building)
-            parts = [gpt_split(d, i, math.ceil(target * (1 + 0.005))) for d, target in enumerate(targets)]
-        else:  # one epoch of each, in proportion to their samples
-            parts = [gpt_split(d, i, None) for d in range(len(datasets))]
-            blend_weights = [0 if part is None else len(part) for part in parts]
-            blend_size = None if sizes[i] is None else min(sizes[i], sum(blend_weights))
-            if sizes[i] is not None and blend_size < sizes[i]:
-                log(f"{SPLITS[i]}: an unweighted blend is one epoch of each prefix, {blend_size} samples, fewer than "
-                    f"the {sizes[i]} asked (token_weighted_blend gives a blend that can be repeated)")
-        if blend_size == 0 or sum(blend_weights) == 0:
-            return None
-        if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
-            raise ValueError(f"{prefixes[parts.index(None)]}: its {SPLITS[i]} split ({split!r}) has no samples of "
-                             f"{seq_length} tokens, so it cannot take part in the blend")
-        return BlendedDataset(parts, blend_weights, blend_size, split=SPLITS[i], cache_dir=blend_dir,
-                              indices=None if indices is None else indices.result())
-
-    def build():
-        with CacheWrites(), concurrent.futures.ThreadPoolExecutor() as pool:
-            # the files are hashed side by side (the fingerprints key the cache); the checks then run in a thread of
-            # their own, and a weighted blend's index in another (blended_split), beside the datasets' builds
-            owed = [check for check in pool.map(check_once, datasets, dirs) if check is not None]
-            checks = pool.submit(lambda: [check() for check in owed])
-            try:
-                splits = tuple(split_dataset(i, pool) for i in range(3))
-            except BaseException as error:  # also Ctrl-C
-                stop_building.set()  # a blend being built beside stops within a fraction of a second, not minutes
-                if isinstance(error, Exception):
-                    checks.result()  # a corrupt index explains a failed build best
-                raise
-            checks.result()  # before any sample is read
-            return splits
-
-    if world_size == 1 or all(d is None for d in dirs + [blend_dir]):
-        return build()
-    # In turns, so that whatever a rank reads exists on its node: global rank 0 builds and writes the cache, then the
-    # leader of every other node (local rank 0) loads it, or builds and writes it where the nodes share no
-    # filesystem, then the other ranks map what their node's leader wrote. A failure reaches every rank: none waits.
+def build_in_turns(build):
+    """build() on every rank: first on each node's leader, which writes the index cache (leaders on one
+    filesystem write the same entries, each through its own temporaries), then on the others, which
+    map it. A failure on any rank is raised on every rank in one line, so that none waits."""
     import torch.distributed as dist  # a process group exists, so torch is already imported
-    turn = 0 if rank == 0 else 1 if node_leader() else 2
-    result = raised = None
-    for current in range(3):
-        failure = None
-        if turn == current:
+    rank, world_size = distributed()
+    result = None
+    for leaders_turn in (True, False):
+        error = None
+        if node_leader() == leaders_turn:
             try:
                 result = build()
-            except Exception as error:
-                failure, raised = f"{type(error).__name__}: {error}", error
-        failures = [None] * world_size
+            except Exception as raised:
+                error = raised
+        failures, failure = [None] * world_size, None
+        if error is not None:  # what the other ranks raise: the same kind of error, one line
+            kind = OSError if isinstance(error, OSError) else ValueError
+            failure = kind, str(error).splitlines()[0]
         dist.all_gather_object(failures, failure)
-        for other, message in enumerate(failures):
-            if message is not None:
-                raise raised if other == rank else RuntimeError(f"rank {other} could not build the datasets: "
-                                                                f"{message}")
+        if error is not None:
+            raise error
+        for other, shared in enumerate(failures):
+            if shared is not None:
+                raise shared[0](f"{shared[1]} (on rank {other})")
     return result
 
 
+class SplitsBuilder:
+    """The datasets, cache directories and parameters that build_gpt_datasets builds splits from."""
+
+    def __init__(self, paths, split, sizes, seq_length, seed, cache_dir, fallback_cache_dir):
+        self.prefixes, self.weights = resolve_blend(paths)
+        self.split, self.matrix, self.sizes = split, split_matrix(split), sizes
+        self.seq_length, self.seed = seq_length, seed
+        self.datasets = [IndexedDataset(p, check=False) for p in self.prefixes]  # build() checks
+        if self.weights is not None:
+            missing = [SPLITS[i] for i in range(3) if self.matrix[i] and sizes[i] is None]
+            if missing:
+                raise ValueError(f"a weighted blend needs a size for every split; {missing} have None")
+            self.weights = normalize(self.weights)
+        blended = len(self.prefixes) > 1 or self.weights is not None
+        self.dirs, self.blend_dir = cache_dirs(self.prefixes, cache_dir, fallback_cache_dir, blended)
+        self.caches = sorted({d for d in self.dirs + [self.blend_dir] if d is not None})
+
+    def build(self):
+        if node_leader():
+            for directory in self.caches:
+                remove_stale_temporaries(directory)
+        for dataset, directory in zip(self.datasets, self.dirs):
+            check_once(dataset, directory)
+        # A weighted blend's index needs only the weights and the size: a helper thread builds it beside the
+        # datasets' indices, which hides most of its time on a cold start.
+        with concurrent.futures.ThreadPoolExecutor(1) as self.helper:
+            return tuple(self.split_dataset(i) for i in range(3))
+
+    def split_dataset(self, i):
+        """Split i, blended or not, or None; a log line when some of its indices were built."""
+        t0 = time.perf_counter()
+        dataset = self.blend(i) if self.matrix[i] else None
+        parts = getattr(dataset, "datasets", [dataset])
+        if any(part is not None and part.build_seconds is not None for part in parts):
+            log(f"{SPLITS[i]} indices of {len(parts)} prefix(es), {len(dataset):,} samples, built in "
+                f"{time.perf_counter() - t0:.2f}s")
+        return dataset
+
+    def gpt_split(self, d, i, num_samples):
+        """The GPTDataset of split i of datasets[d], or None when it yields no samples."""
+        dataset = self.datasets[d]
+        begin, end = split_range(len(dataset), self.matrix[i])
+        if not dataset.sequence_lengths[begin:end].any():
+            if num_samples:  # megatron-core loops forever here
+                raise ValueError(f"{dataset.path_prefix}: its {SPLITS[i]} split ({self.split!r}: sequences "
+                                 f"[{begin}, {end})) has no tokens, but {num_samples} samples were asked")
+            return None
+        part = GPTDataset(dataset, begin, end, seq_length=self.seq_length, num_samples=num_samples,
+                          seed=self.seed, split=SPLITS[i], cache_dir=self.dirs[d])
+        return part if len(part) else None
+
+    def blend(self, i):
+        size, indices = self.sizes[i], None
+        if self.weights is None and len(self.prefixes) == 1:
+            return self.gpt_split(0, i, size)
+        if self.weights is not None:  # each dataset's share, built with megatron's 0.5% surplus
+            targets = [math.ceil(size * w) for w in self.weights]
+            weights, size = self.weights, sum(targets)
+            if size:
+                indices = self.helper.submit(cached_blending_indices, weights, size, split=SPLITS[i],
+                                             cache_dir=self.blend_dir, names=self.prefixes)
+            parts = [self.gpt_split(d, i, math.ceil(n * (1 + 0.005))) for d, n in enumerate(targets)]
+        else:  # one epoch of each, in proportion to their samples
+            parts = [self.gpt_split(d, i, None) for d in range(len(self.datasets))]
+            weights = [0 if part is None else len(part) for part in parts]
+            if size is not None:  # megatron's cap (token_weighted_blend goes past it)
+                size = min(size, sum(weights))
+        if size == 0 or sum(weights) == 0:
+            return None
+        if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
+            raise ValueError(f"{self.prefixes[parts.index(None)]}: its {SPLITS[i]} split ({self.split!r}) "
+                             f"has no samples of {self.seq_length} tokens to take part in the blend")
+        if self.weights is not None:
+            indices = indices.result()
+        return BlendedDataset(parts, weights, size, split=SPLITS[i], cache_dir=self.blend_dir, indices=indices)
+
+
 class TokenWindows:
-    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T : k*T + T + 1] as
-    {"tokens": its first T, "labels": its last T}, as llm.c reads; as many as the stream holds, at most `length`."""
+    """Window k of the stream `lead` + `pieces` [(dataset, sequence ids), ...] is stream[k*T:k*T+T+1]
+    as {"tokens": its first T, "labels": its last T}, as llm.c reads; at most `length` of them."""
 
     def __init__(self, pieces, seq_length, length=None, lead=()):
         self.pieces, self.seq_length, self.lead = pieces, seq_length, np.asarray(lead, dtype=np.int64)
-        self.piece_starts, self.num_tokens = [], len(self.lead)  # where each piece's sequences start; the stream's end
+        self.piece_starts, self.num_tokens = [], len(self.lead)  # each sequence's start; the end
         for dataset, sequences in pieces:
-            starts = self.num_tokens + np.cumsum(np.r_[0, dataset.sequence_lengths[sequences]], dtype=np.int64)
-            self.num_tokens = int(starts[-1])
-            self.piece_starts.append(starts)
+            lengths = np.r_[0, dataset.sequence_lengths[sequences]]
+            self.piece_starts.append(self.num_tokens + np.cumsum(lengths, dtype=np.int64))
+            self.num_tokens = int(self.piece_starts[-1][-1])
         self.length = min(max(0, (self.num_tokens - 1) // seq_length), math.inf if length is None else length)
 
     def __len__(self):
         return self.length
 
     def _window(self, i):
-        """Window i's stream range [start, stop) and the (dataset, sequences, starts, positions in both) it reads."""
-        start = range(self.length)[i] * self.seq_length  # an IndexError past the end; negative i counts from it
+        """Window i's [start, stop) and the (dataset, sequences, starts, positions) it reads."""
+        start = range(self.length)[i] * self.seq_length  # IndexError past the end; i < 0 from it
         stop, spans = start + self.seq_length + 1, []
         for (dataset, sequences), starts in zip(self.pieces, self.piece_starts):
             if starts[0] < stop and starts[-1] > start:
@@ -919,51 +807,45 @@ class TokenWindows:
 
     def describe(self, i):
         """Where window i comes from, e.g. "data/val_text_document: documents 3, 4 (window 9)"."""
-        spans = self._window(i)[2]
-        where = "; ".join(f"{dataset.path_prefix}: {dataset.documents(sequences[positions.start:positions.stop])}"
-                          for dataset, sequences, _, positions in spans)
-        return f"{where} (window {i})"
+        where = [f"{ds.path_prefix}: {ds.documents(sequences[positions.start:positions.stop])}"
+                 for ds, sequences, _, positions in self._window(i)[2]]
+        return f"{'; '.join(where)} (window {i})"
 
 
 class LLMCValWindows(TokenWindows):
-    """llm.c's validation batches: num_tokens // seq_length windows of [eot] + every document of `path_prefix` (a
-    prefix or glob) in file order. llm.c puts the EOT before each document and we after, so this is its val shard."""
+    """llm.c's validation batches: num_tokens // seq_length windows of [eot] + every document of
+    `path_prefix` in order. llm.c puts EOT before each document and we after: this is its val shard."""
 
     def __init__(self, path_prefix, seq_length, num_tokens, eot=EOT):
         prefixes, windows = resolve_blend(path_prefix)[0], num_tokens // seq_length
-        super().__init__([(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)], seq_length, windows, [eot])
+        pieces = [(ds, np.arange(len(ds))) for ds in map(IndexedDataset, prefixes)]
+        super().__init__(pieces, seq_length, windows, [eot])
         if len(self) < windows:
-            raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds {self.num_tokens} tokens "
-                             f"with the leading EOT, fewer than the {windows * seq_length + 1} that {windows} windows "
-                             f"of {seq_length} need")
+            raise ValueError(f"{', '.join(p + '.bin' for p in prefixes)}: the stream holds {self.num_tokens} "
+                             f"tokens with the leading EOT, fewer than the {windows * seq_length + 1} that "
+                             f"{windows} windows need")
 
 
 def sequential_samples(paths, *, seq_length, split="969,30,1", split_index=1, max_samples=None):
-    """One split's sequences in order (blend weights ignored) as TokenWindows, to validate on; None for a zero ratio."""
+    """One split's sequences in order as TokenWindows, to validate on; None for a zero ratio."""
     prefixes, _ = resolve_blend(paths)
     bookends = split_matrix(split)[split_index]
     if bookends is None:
         return None
-    pieces = [(ds, np.arange(*split_range(len(ds), bookends))) for ds in map(IndexedDataset, prefixes)]
-    samples = TokenWindows(pieces, seq_length, max_samples)
-    if samples.num_tokens < seq_length + 1:
-        raise ValueError(f"{', '.join(prefixes)}: the {SPLITS[split_index]} split ({split!r}) holds "
-                         f"{samples.num_tokens} tokens, less than one window of seq_length + 1 = {seq_length + 1}")
-    return samples
+    datasets = [IndexedDataset(prefix) for prefix in prefixes]
+    pieces = [(ds, np.arange(*split_range(len(ds), bookends))) for ds in datasets]
+    return TokenWindows(pieces, seq_length, max_samples)
 
 
 class PretrainingSampler:
-    """One rank's micro-batches, as megatron's MegatronPretrainingSampler (a batch_sampler): rank r takes the r-th mbs
-    of each full global batch of mbs*W after `consumed_samples`, so a restart on any world size continues in place."""
+    """One rank's micro-batches, as megatron's MegatronPretrainingSampler: rank r takes the r-th mbs of
+    each global batch of mbs*W after `consumed_samples`: a restart on any world size continues."""
 
     def __init__(self, total_samples, consumed_samples, micro_batch_size, rank, world_size):
-        if micro_batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need micro_batch_size >= 1 and 0 <= rank < world_size, got {micro_batch_size}, "
-                             f"{rank}, {world_size}")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, total_samples={total_samples}]")
+            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, {total_samples}]")
         self.micro_batch_size, self.global_batch = micro_batch_size, micro_batch_size * world_size
-        self.first = consumed_samples + rank * micro_batch_size  # this rank's first sample of each global batch
+        self.first = consumed_samples + rank * micro_batch_size  # in each global batch
         self.steps = (total_samples - consumed_samples) // self.global_batch
 
     def __iter__(self):
@@ -973,44 +855,32 @@ class PretrainingSampler:
 
 # The command line
 def verify(prefixes, vocab_size=None, read_tokens=True):
-    """Print each prefix's counts and sizes (opening checks its index) and with `read_tokens` its ids; the problems."""
-    problems, totals = [], np.zeros(3, dtype=np.int64)
+    """Print each prefix's counts and sizes (with `read_tokens` its ids); return the problems."""
+    problems = []
     for prefix in prefixes:
         try:
             ds = IndexedDataset(prefix)
             if read_tokens and not ds.num_tokens:
-                raise ValueError(f"{prefix}.bin: no tokens ({ds.num_documents} documents): megatron-core cannot map "
-                                 f"an empty .bin")
+                raise ValueError(f"{prefix}.bin: no tokens ({ds.num_documents} documents): megatron cannot map it")
         except (ValueError, FileNotFoundError) as error:
             problems.append(str(error))
             continue
-        counts, lengths = np.array([ds.num_documents, len(ds), ds.num_tokens]), ds.sequence_lengths
-        totals += counts
-        line = (f"{prefix}: {counts[0]:,} documents, {counts[1]:,} sequences, {counts[2]:,} tokens ({ds.dtype}); "
-                f".bin {ds.sizes['.bin']:,} bytes, .idx {ds.sizes['.idx']:,} bytes")
-        if len(lengths):
-            line += f", sequence length min {lengths.min():,} mean {lengths.mean():,.1f} max {lengths.max():,}"
+        line = (f"{prefix}: {ds.num_documents:,} documents, {len(ds):,} sequences, {ds.num_tokens:,} tokens "
+                f"({ds.dtype}); .bin {ds.sizes['.bin']:,} bytes, .idx {ds.sizes['.idx']:,} bytes")
         if read_tokens:
-            parts = np.array_split(ds.tokens, len(ds.tokens) // (1 << 26) + 1)  # each still cached for its max
-            ranges = np.array([(part.min(), part.max()) for part in parts])
-            low, high = int(ranges.min()), int(ranges.max())
+            low, high = int(ds.tokens.min()), int(ds.tokens.max())
             line += f", ids in [{low}, {high}]"
             if vocab_size is not None and not 0 <= low <= high < vocab_size:
-                problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside the vocabulary "
-                                f"[0, {vocab_size})")
+                problems.append(f"{prefix}.bin: token ids span [{low}, {high}], outside [0, {vocab_size})")
         print(line)
-    if len(prefixes) > 1:
-        print(f"total of {len(prefixes)} prefixes: {totals[0]:,} documents, {totals[1]:,} sequences, "
-              f"{totals[2]:,} tokens")
     return problems
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Inspect Megatron indexed datasets (<prefix>.bin + <prefix>.idx).")
-    parser.add_argument("command", choices=["info", "verify"],
-                        help="info: counts, dtype and sizes; verify: check the index and read every token")
+    parser = argparse.ArgumentParser(description="Inspect Megatron datasets (<prefix>.bin + .idx).")
+    parser.add_argument("command", choices=["info", "verify"], help="verify also reads every token")
     parser.add_argument("paths", metavar="PREFIX_OR_GLOB", nargs="+")
-    parser.add_argument("--vocab-size", type=int, default=None, help="verify: fail on token ids >= this")
+    parser.add_argument("--vocab-size", type=int, default=None, help="verify: fail on ids >= this")
     args = parser.parse_args(argv)
     # one prefix or quoted glob, or the files an unquoted glob expanded to
     paths = [p[:-4] if p.endswith((".bin", ".idx")) else p for p in args.paths]
@@ -1022,7 +892,7 @@ def main(argv=None):
         return 1
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
-    print("OK" if not problems else f"{len(problems)} problem(s)")
+    print(f"{len(problems)} problem(s)" if problems else "OK")
     return 1 if problems else 0
 
 

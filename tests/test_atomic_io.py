@@ -3,7 +3,7 @@ import socket
 
 import pytest
 
-from atomic_io import LockHeld, atomic_save, atomic_write, error_reason, lock_file
+from atomic_io import LockHeld, atomic_path, atomic_save, atomic_write, error_reason, lock_file, remove_stale_temporaries
 
 
 def test_atomic_write_publishes_complete_file(tmp_path):
@@ -71,7 +71,7 @@ for name, write in writers.items():
         print(name, "|", e)
 """
 
-
+@pytest.mark.slow
 def test_a_failed_write_is_one_line_naming_the_file_and_leaves_nothing(tmp_path):
     """A full disk surfaces from open() as ENOSPC, from torch.save as "unexpected pos", from safetensors as its own
     error; each becomes one WriteError line naming the file, and no temporary is left behind."""
@@ -118,3 +118,31 @@ def test_the_reason_of_a_failed_write_is_one_line():
     assert error_reason(RuntimeError("Error while serializing:\nIoError(Os { code: 28 })\n")) == \
         "IoError(Os { code: 28 })"
     assert error_reason(RuntimeError()) == "RuntimeError"
+
+
+def test_temporaries_are_unique_across_hosts_and_pid_namespaces(tmp_path, monkeypatch):
+    """Two writers that share a pid (pid 1 in two containers, or on two hosts) never share a temporary: its name is
+    random. tests/test_indexed_dataset.py runs two such writers for real (unshare --pid)."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    names = []
+    for _ in range(2):
+        with atomic_path(tmp_path / "a.npy") as tmp:
+            names.append(os.path.basename(tmp))
+            open(tmp, "wb").close()
+    assert names[0] != names[1] and not [name for name in names if ".1.tmp" in name]
+
+
+def test_only_temporaries_of_dead_writers_are_removed(tmp_path):
+    dead = tmp_path / ".a.npy.1234567.tmp"  # a writer killed mid-write leaves it unlocked
+    dead.write_bytes(b"x" * 100)
+    empty = tmp_path / ".b.npy.1234567.tmp"  # may be a live writer's between its open and its flock
+    empty.touch()
+    (tmp_path / "other.tmp").write_bytes(b"x")  # not hidden: not a temporary of ours
+    with atomic_write(tmp_path / "c.npy") as f:
+        f.write(b"y" * 100)
+        f.flush()
+        [live] = [p for p in tmp_path.iterdir() if p.name.startswith(".c.npy.")]
+        remove_stale_temporaries(str(tmp_path))
+        assert live.exists() and not dead.exists() and empty.exists() and (tmp_path / "other.tmp").exists()
+    assert (tmp_path / "c.npy").read_bytes() == b"y" * 100
+    remove_stale_temporaries(str(tmp_path / "missing"))  # no directory yet: nothing to do

@@ -6,12 +6,17 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
+import pytest
+import torch.distributed
 
+import indexed_dataset
 from conftest import ROOT
 from indexed_dataset import build_gpt_datasets
 from conftest import random_documents, write_ours
@@ -27,15 +32,18 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    # rank 0's error reaches the other rank instead of leaving it waiting
-    weighted = [x for prefix in resolve_blend(data)[0] for x in ("1", prefix)]
-    try:
-        build_gpt_datasets(weighted, seq_length=16, split="969,30,1", sizes=(100, 10, 10), cache_dir=cache + "2")
-        raise AssertionError("an empty test split with a size must fail")
-    except ValueError as error:
-        assert rank == 0 and "has no tokens" in str(error), error
-    except RuntimeError as error:
-        assert rank != 0 and "rank 0 could not build the datasets: ValueError" in str(error), error
+    # rank 0's error reaches the other rank instead of leaving it waiting: on every rank a ValueError or OSError of
+    # one line naming the file, which the trainer prints as one line per rank
+    prefixes = resolve_blend(data)[0]
+    weighted = [x for prefix in prefixes for x in ("1", prefix)]
+    open(cache + "-file", "w").close()
+    for paths, cache_dir, kind, names in [(weighted, cache + "2", ValueError, prefixes[0] + ": its test split"),
+                                          (data, cache + "-file/cache", OSError, "cannot write " + cache + "-file")]:
+        try:
+            build_gpt_datasets(paths, seq_length=16, split="969,30,1", sizes=(100, 10, 10), cache_dir=cache_dir)
+            raise AssertionError("the build must fail")
+        except kind as error:
+            assert names in str(error) and len(str(error).splitlines()) == 1, (rank, error)
 
     datasets = build_gpt_datasets(data, seq_length=16, split="90,8,2", sizes=(3000, 100, None), cache_dir=cache)
     train = datasets[0]
@@ -64,6 +72,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_rank0_builds_the_cache_and_the_other_rank_loads_it(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(2):
@@ -109,6 +118,7 @@ NODE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_every_node_builds_the_index_cache_it_reads(tmp_path):
     # two nodes of two ranks (two torchrun agents, node ranks 0 and 1) whose index caches are different directories
     rng = np.random.default_rng(1)
@@ -144,3 +154,41 @@ def test_every_node_builds_the_index_cache_it_reads(tmp_path):
         assert len(glob.glob(str(cache / "*-GPTDataset-*.json"))) == 6, node
         assert len(glob.glob(str(cache / "*-BlendedDataset-*.json"))) == 3, node
         assert len(glob.glob(str(cache / "*-IndexedDataset-checked.json"))) == 2, node
+
+
+def test_a_failure_on_one_rank_is_one_line_naming_the_file_on_every_rank(tmp_path, monkeypatch):
+    """The turns of build_gpt_datasets in one process: two threads stand for ranks 0 and 1 of a node, with
+    all_gather_object between them. Rank 0 finds a damaged pointer in the .idx; both raise a ValueError of one line
+    naming the file (the trainer prints one line per rank), neither waits."""
+    prefix = write_ours(str(tmp_path / "d_text_document"), random_documents(np.random.default_rng(2), 300))
+    with open(prefix + ".idx", "r+b") as f:  # sequence 5's pointer
+        f.seek(34 + 4 * len(indexed_dataset.IndexedDataset(prefix)) + 5 * 8)
+        f.write(struct.pack("<q", 3))
+    ranks, slots, barrier = threading.local(), [None, None], threading.Barrier(2, timeout=60)
+
+    def all_gather_object(out, value):
+        slots[ranks.rank] = value
+        barrier.wait()
+        out[:] = list(slots)
+        barrier.wait()
+
+    monkeypatch.setattr(indexed_dataset, "distributed", lambda: (ranks.rank, 2))
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    errors = [None, None]
+
+    def rank(r):
+        ranks.rank = r
+        try:
+            build_gpt_datasets(prefix, seq_length=16, split="1", sizes=(100, None, None), cache_dir=str(tmp_path / "c"))
+        except Exception as error:
+            errors[r] = error
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for error in errors:
+        assert isinstance(error, ValueError) and "\n" not in str(error), errors
+        assert str(error).startswith(f"{prefix}.idx: corrupt: sequence 5 starts at byte 3"), errors
