@@ -977,22 +977,17 @@ class Evaluator:
             self.hellaswag = on_rank0(
                 lambda: hellaswag.render_all(hellaswag.load_examples(path)))
 
-    def __call__(self, model, step, stop, logged=()):
-        """Whether the evaluation ran to its end (False: a stop was requested during it).
-        `logged`: the results (metrics.jsonl keys) logged for this step before a restart."""
+    def __call__(self, model, step, stop):
+        """Whether the evaluation ran to its end (False: a stop was requested during it)."""
         head = f"step {step:5d}/{self.cfg.max_steps} |"
-        if logged:
-            self.log(f"{head} {', '.join(sorted(logged))} of this step logged before the "
-                     "restart; not evaluated again")
 
         def stopped():
             return any_rank(stop.requested())
 
-        if self.val_data is not None and "val_loss" not in logged:
+        if self.val_data is not None:
             if not self.validate(model, step, head, stopped):
                 return False
-        if self.hellaswag is not None and "hellaswag_acc_norm" not in logged and \
-                (step > 0 or self.cfg.eval_only):
+        if self.hellaswag is not None and (step > 0 or self.cfg.eval_only):
             rank, world_size = rank_and_world_size()
             # As many examples per forward as a training micro-batch has tokens.
             result = hellaswag.evaluate(
@@ -1005,7 +1000,7 @@ class Evaluator:
                      f"({result['correct_norm']}/{result['total']})",
                      f"s:{step} eval:{result['acc_norm']:.4f}", step=step,
                      hellaswag_acc_norm=result["acc_norm"], hellaswag_acc=result["acc"])
-        if self.sample_tokens and step > 0 and "sample" not in logged:
+        if self.sample_tokens and step > 0:
             with self.autocast:
                 text = sample_texts(model, "", max_new_tokens=self.sample_tokens,
                                     seed=self.cfg.seed + step, device=self.device)[0]
@@ -1329,30 +1324,12 @@ def setup(cfg, world_size, device, log, stop):
     return 128 + (stop.signal or signal.SIGTERM)
 
 
-def evaluations_logged(out_dir, step):
-    """Which evaluation results (val_loss, hellaswag_acc_norm, sample) metrics.jsonl holds for
-    `step`: a run restarted at an evaluated step does not log them twice."""
-    found = set()
-    if not os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
-        return found
-    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("step") == step:
-                found |= {"val_loss", "hellaswag_acc_norm", "sample"} & set(record)
-    return found
-
-
 def train(cfg, rank, world_size, device, log, stop):
     """Set up, then train from the start step to max_steps; the exit status."""
     training = setup(cfg, world_size, device, log, stop)
     if not isinstance(training, Training):
         return training  # an exit status: nothing left to train
     model, optimizer, start_step, train_data, evaluate, step_log, data = training
-    logged = on_rank0(lambda: evaluations_logged(cfg.out_dir, start_step))
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size,
                                       start_step * cfg.global_batch_size,
@@ -1382,11 +1359,10 @@ def train(cfg, rank, world_size, device, log, stop):
         last_step = step == cfg.max_steps
         if step % cfg.val_every_steps == 0 or last_step:
             step_log.flush(keep_last=False)
-            if not evaluate(model, step, stop, logged):  # a stop came during the evaluation
+            if not evaluate(model, step, stop):  # a stop came during the evaluation
                 return save(step, stopping=True)
         if last_step:
             break
-        logged = ()
 
         # One optimizer step over global_batch_size sequences; nothing here waits for the device.
         step_log.start_step()
