@@ -26,22 +26,40 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+# The MLP's activation, by the name Hugging Face's GPT-2 config gives it (`activation_function`, one of
+# transformers.activations.ACT2FN's keys), so that an export runs in transformers as it trained here. To try another
+# activation, add it here under the name transformers knows it by.
+ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # the same function, by another name
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Primer, modded-nanogpt)
+    "silu": F.silu,
+}
+
+
 @dataclasses.dataclass
 class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 50257
-    padded_vocab_size: int = None  # rows of wte/lm_head, e.g. 50304 (a multiple of 64) for faster matmuls
+    # Rows of wte and lm_head, e.g. 50304 (a multiple of 64): the head's matmuls run faster on aligned shapes.
+    padded_vocab_size: int = None
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
     layer_norm_eps: float = 1e-5
+    activation: str = "gelu_new"  # a key of ACTIVATIONS
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
-            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than "
+                             f"vocab_size={self.vocab_size}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -49,15 +67,21 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads at once
+        # query, key and value projections for all heads in one matmul
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
-        B, T, C = x.size()
+        B, T, C = x.size()  # batch size, sequence length, embedding width (n_embd)
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where the backend has it
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        # move the heads forward to be a batch dimension: (B, n_head, T, head size)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        # flash attention where the backend has it; is_causal masks the future without a (T, T) mask tensor
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
+        return self.c_proj(y)
 
 
 class MLP(nn.Module):
@@ -65,10 +89,11 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.activation = ACTIVATIONS[config.activation]
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+        return self.c_proj(self.activation(self.c_fc(x)))
 
 
 class Block(nn.Module):
@@ -85,94 +110,103 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-# Rows of logits the loss head holds at once; each chunk's fp32 grad_weight update costs ~400/R of its GEMM time
+# ----------------------------------------------------------------------------- the loss head
+
+def chunk_loss(logits, targets):
+    """The summed loss of one chunk of rows: logits (rows, vocab_size) in the matmuls' dtype, targets (rows,) with
+    -100 where a position is not scored. Edit this to change the loss (a z-loss, a soft cap on the logits): the head
+    below takes its gradient with autograd, compiled or not, so nothing else needs to change."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+
+
+def _real_vocab_chunk_loss(logits, targets, vocab_size):
+    # The head's matmul runs over the padded weight, whose aligned shape is faster; slicing off the padded columns
+    # here keeps them out of the softmax, so they get no loss and no gradient. chunk_loss is looked up at each call
+    # (torch.compile guards on it too), so an edited or monkeypatched chunk_loss is the one that runs.
+    return chunk_loss(logits[:, :vocab_size], targets)
+
+
+@functools.cache
+def _compiled_chunk_loss():
+    # Compiled on first use rather than at import, because importing the compiler takes a second. AOTAutograd
+    # derives the backward and Inductor fuses each direction into a few passes over the chunk.
+    return torch.compile(_real_vocab_chunk_loss)
+
+
+# Rows of logits the loss head holds at once. Fewer rows hold less memory; more rows make each matmul larger and
+# spread the per-chunk cost of adding into the fp32 weight gradient (docs/model.md has the measurements).
 LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=512)
 
 
-def _chunk_loss(logits, targets, vocab_size, count, with_grads):
-    """The summed fp32 loss of one chunk's logits (rows, padded vocab); with_grads writes their gradient over them.
-    Written for torch.compile (it only ever runs traced): each step below fuses into one pass over the chunk."""
-    out, logits = logits, logits.float()
-    logits[:, vocab_size:] = float("-inf")  # padded rows of the weight: no softmax mass, loss or gradient
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = targets != -100  # F.cross_entropy's default ignore_index
-    safe = torch.where(valid, targets, 0)[:, None]
-    # the target logit as a masked sum, a reduction beside the logsumexp's over the same rows (a gather compiled
-    # beside the in-place gradient below reads the gradient on torch 2.6 and 2.7: a wrong loss)
-    one_hot = torch.arange(logits.size(1), device=logits.device) == safe
-    target_logits = torch.where(one_hot, logits, 0.0).sum(1)
-    loss = ((lse - target_logits) * valid).sum()
-    if with_grads:
-        probs = logits.sub_(lse[:, None]).exp_()  # in place: in fp32 the very buffer of the logits
-        probs = probs - one_hot.to(probs.dtype)  # the one-hot fuses into the one pass that writes the gradient
-        out.copy_(probs.mul_((valid / count)[:, None]))  # a no-op where probs already is `out`
-    return loss
-
-
-def _chunk_loss_eager(logits, targets, vocab_size, count, with_grads):
-    """_chunk_loss without torch.compile: the same loss and gradient in four passes over the chunk, not eight. Each
-    eager op streams the whole chunk through memory, so log_softmax's row kernel (each row read, reduced and written
-    while in cache) replaces logsumexp (which also allocates a chunk-sized temporary) and the separate subtraction."""
-    out, logits = logits, logits.float()
-    logits[:, vocab_size:] = float("-inf")  # padded rows of the weight: no softmax mass, loss or gradient
-    torch.log_softmax(logits, dim=1, out=logits)  # in place: each row is reduced before it is written
-    valid = targets != -100  # F.cross_entropy's default ignore_index
-    safe = torch.where(valid, targets, 0)[:, None]
-    loss = -(logits.gather(1, safe).squeeze(1) * valid).sum()
-    if with_grads:
-        probs = logits.exp_()
-        probs.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=probs.dtype))  # touch the target entries only
-        out.copy_(probs.mul_((valid / count)[:, None]))  # a no-op where probs already is `out`
-    return loss
-
-
-_compiled_chunk_loss = functools.cache(lambda: torch.compile(_chunk_loss))  # on first use: dynamo takes 1 s to import
+def loss_head_bytes(rows, vocab_rows, n_embd, act_bytes, compiled):
+    """The most memory the loss head holds at once, beyond its inputs, for chunks of `rows` rows over a weight of
+    `vocab_rows` rows, in a compute dtype of `act_bytes` bytes (what train_gpt2.py plans with)."""
+    chunk = rows * vocab_rows
+    # one chunk's logits and their gradient, both in the compute dtype, and the fp32 weight gradient being summed
+    held = 2 * chunk * act_bytes + 4 * vocab_rows * n_embd
+    if not compiled:
+        # eagerly, also cross_entropy's fp32 log-softmax and the two fp32 gradients its backward passes along
+        held += 3 * chunk * 4
+    return held
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """chunked_cross_entropy: the forward takes the gradients too, chunk by chunk, so no chunk's logits outlive it."""
+    """The mean of chunk_loss over x @ weight.T, one chunk of rows at a time. The forward takes each chunk's gradients
+    as well (with autograd, from chunk_loss), so no chunk's logits outlive its turn; the backward only scales them."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, vocab_size, chunk_size, compiled, with_grads):
-        # cast once, not per chunk and per matmul as autocast would (it caches casts of leaf parameters only)
-        device_type, dtypes = x.device.type, (x.dtype, weight.dtype)
-        # (autocast is asked of the devices that have it: torch 2.7 cannot compile is_autocast_available, a break)
-        autocast = device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
-        x, weight = (t.to(torch.get_autocast_dtype(device_type) if autocast else weight.dtype) for t in (x, weight))
+        x_dtype, weight_dtype = x.dtype, weight.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast once here, not once per chunk as autocast would: it caches the casts of leaf parameters only.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        loss_fn = _real_vocab_chunk_loss
+        if compiled:
+            loss_fn = _compiled_chunk_loss()
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
-        if torch.compiler.is_compiling():  # inside a compiled caller: traced into its graph
-            body = _chunk_loss
-        else:
-            body = _compiled_chunk_loss() if compiled else _chunk_loss_eager
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        grad_x = torch.empty_like(x) if with_grads else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grads else None
-        buffer = torch.empty(min(chunk_size, x.size(0)), weight.size(0), dtype=x.dtype, device=x.device)
-        for start in range(0, x.size(0), chunk_size):
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+        for start in range(0, len(x), chunk_size):
             rows = slice(start, start + chunk_size)
-            grad_logits = torch.mm(x[rows], weight.t(), out=buffer[:len(x[rows])])
-            loss = loss + body(grad_logits, targets[rows], vocab_size, count, with_grads)
-            if with_grads:
-                torch.mm(grad_logits, weight, out=grad_x[rows])
-                if grad_logits.dtype == torch.float32:
-                    torch.addmm(grad_weight, grad_logits.t(), x[rows], out=grad_weight)  # no (vocab x C) temporary
-                else:
-                    grad_weight.add_(grad_logits.t() @ x[rows])
+            logits = x[rows] @ weight.t()
+            if not with_grads:  # evaluation: the loss alone
+                loss += loss_fn(logits, targets[rows], vocab_size)
+                continue
+            logits.requires_grad_(True)
+            with torch.enable_grad():
+                chunk = loss_fn(logits, targets[rows], vocab_size)
+            # the gradient of this chunk's share of the mean loss, then the two matmuls the head's backward needs
+            (grad_logits,) = torch.autograd.grad(chunk, logits, grad_outputs=1 / count)
+            loss += chunk.detach()
+            torch.mm(grad_logits, weight, out=grad_x[rows])
+            if grad_logits.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), x[rows])  # in place: no (vocab, n_embd) temporary
+            else:
+                grad_weight += grad_logits.t() @ x[rows]  # 16-bit products, summed in fp32
         if with_grads:
-            ctx.save_for_backward(grad_x.to(dtypes[0]), grad_weight.to(dtypes[1]))
+            ctx.save_for_backward(grad_x.to(x_dtype), grad_weight.to(weight_dtype))
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_output, grad_weight.mul_(grad_output), None, None, None, None, None
+        return grad_x * grad_output, grad_weight * grad_output, None, None, None, None, None
 
 
+# Dynamo cannot trace the autograd.grad in the head's forward: inside a whole-model torch.compile the head runs as
+# it does outside one (one graph break), and compile_loss compiles its chunks.
+@torch.compiler.disable
 def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, compiled=False):
-    """Mean F.cross_entropy(x @ weight[:vocab_size].T, targets) in fp32, never holding the full logits."""
-    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)  # none taken for validation
-    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size or weight.size(0),
-                                           chunk_size or LOSS_CHUNK_ROWS.get(x.device.type, 1024), compiled, with_grads)
+    """Mean chunk_loss of x @ weight[:vocab_size].T over the scored targets, never holding the full logits."""
+    if chunk_size is None:
+        chunk_size = LOSS_CHUNK_ROWS.get(x.device.type, 1024)
+    if vocab_size is None:
+        vocab_size = weight.size(0)
+    # Validation needs no gradients: then the head computes the loss alone.
+    with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_size, compiled, with_grads)
 
 
 class GPT(nn.Module):
@@ -319,16 +353,20 @@ def resolve_pretrained(name_or_path):
         raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a train_gpt2.py run is "
                                 f"read from its out_dir or from one checkpoint, out_dir/ckpt/step_N)")
     ours = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size", n_layer="n_layer",
-                n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps")  # n_positions over n_ctx
+                n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps",
+                activation_function="activation")  # n_positions over n_ctx
     try:  # what is wrong with the config, prefixed by its path
         hf = json.loads(pathlib.Path(path).read_text())
         if not isinstance(hf, dict):
             raise ValueError(f"not a config (a JSON {type(hf).__name__}, expected an object)")
         if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
             raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
-        # the values of these keys that the model implements; gelu_new and gelu_pytorch_tanh are the same GELU
-        supported = dict(activation_function=("gelu_new", "gelu_pytorch_tanh"), scale_attn_weights=(True,),
-                         scale_attn_by_inverse_layer_idx=(False,), n_inner=(None, 4 * hf.get("n_embd", 768)))
+        if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation_function {hf['activation_function']!r}; "
+                             f"model.ACTIVATIONS has {', '.join(ACTIVATIONS)}")
+        # the values of these keys that the model implements
+        supported = dict(scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
+                         n_inner=(None, 4 * hf.get("n_embd", 768)))
         for key, ok in supported.items():
             if hf.get(key, ok[0]) not in ok:
                 raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, not {' or '.join(map(repr, ok))}")
@@ -446,7 +484,7 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     files = {"config.json": {  # transformers' config.json for GPT2LMHeadModel
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new",
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": cfg.activation,
         "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": endoftext, "eos_token_id": endoftext}}
     if split.is_sharded:
