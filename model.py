@@ -134,19 +134,25 @@ def _compiled_chunk_loss():
 
 
 # Rows of logits the loss head holds at once. Fewer rows hold less memory; more rows make each matmul larger and
-# spread the per-chunk cost of adding into the fp32 weight gradient (docs/model.md has the measurements).
-LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=512)
+# spread the per-chunk cost of adding into the fp32 weight gradient. On the CPU, chunks under glibc's 32 MiB
+# mmap threshold are reused from the heap instead of faulting in fresh pages each time (docs/model.md).
+LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=128)
 
 
 def loss_head_bytes(rows, vocab_rows, n_embd, act_bytes, compiled):
-    """The most memory the loss head holds at once, beyond its inputs, for chunks of `rows` rows over a weight of
-    `vocab_rows` rows, in a compute dtype of `act_bytes` bytes (what train_gpt2.py plans with)."""
+    """The most memory the loss head holds at once beyond its inputs and x's gradient, for chunks of `rows` rows
+    over a weight of `vocab_rows` rows in a compute dtype of `act_bytes` bytes: train_gpt2.py plans with it. The
+    per-chunk terms were measured on the CPU (peak RSS); eagerly in 16 bits they are an upper bound."""
     chunk = rows * vocab_rows
-    # one chunk's logits and their gradient, both in the compute dtype, and the fp32 weight gradient being summed
-    held = 2 * chunk * act_bytes + 4 * vocab_rows * n_embd
-    if not compiled:
-        # eagerly, also cross_entropy's fp32 log-softmax and the two fp32 gradients its backward passes along
-        held += 3 * chunk * 4
+    held = 4 * vocab_rows * n_embd  # the fp32 weight gradient, summed chunk by chunk
+    if act_bytes < 4:
+        # the weight cast once to the compute dtype, and each chunk's weight gradient before it is summed
+        held += 2 * act_bytes * vocab_rows * n_embd
+    held += act_bytes * chunk  # one chunk's logits
+    if compiled:
+        held += 8 * chunk  # the fp32 buffers of the compiled loss and its gradient
+    else:
+        held += 16 * chunk  # cross_entropy's fp32 log-softmax, and the fp32 gradients its backward passes along
     return held
 
 
@@ -165,19 +171,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if compiled:
             loss_fn = _compiled_chunk_loss()
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
+        chunks = [slice(start, start + chunk_size) for start in range(0, len(x), chunk_size)]
+        if not with_grads:  # evaluation: the loss alone
+            loss = sum(loss_fn(x[rows] @ weight.t(), targets[rows], vocab_size) for rows in chunks)
+            return loss / count
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        for start in range(0, len(x), chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = x[rows] @ weight.t()
-            if not with_grads:  # evaluation: the loss alone
-                loss += loss_fn(logits, targets[rows], vocab_size)
-                continue
-            logits.requires_grad_(True)
+        for rows in chunks:
+            logits = (x[rows] @ weight.t()).requires_grad_(True)
             with torch.enable_grad():
                 chunk = loss_fn(logits, targets[rows], vocab_size)
-            # the gradient of this chunk's share of the mean loss, then the two matmuls the head's backward needs
+            # This chunk's share of the mean loss, differentiated by autograd; then the head's two matmuls.
             (grad_logits,) = torch.autograd.grad(chunk, logits, grad_outputs=1 / count)
             loss += chunk.detach()
             torch.mm(grad_logits, weight, out=grad_x[rows])
@@ -185,14 +190,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t(), x[rows])  # in place: no (vocab, n_embd) temporary
             else:
                 grad_weight += grad_logits.t() @ x[rows]  # 16-bit products, summed in fp32
-        if with_grads:
-            ctx.save_for_backward(grad_x.to(x_dtype), grad_weight.to(weight_dtype))
+        ctx.save_for_backward(grad_x.to(x_dtype), grad_weight.to(weight_dtype))
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_x, grad_weight = ctx.saved_tensors
-        return grad_x * grad_output, grad_weight * grad_output, None, None, None, None, None
+        # in place: the saved weight gradient is as large as the weight, and backward runs once
+        return grad_x * grad_output, grad_weight.mul_(grad_output), None, None, None, None, None
 
 
 # Dynamo cannot trace the autograd.grad in the head's forward: inside a whole-model torch.compile the head runs as
@@ -222,17 +227,20 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
-        # switches, not config fields: checkpoints are the same either way
-        self.activation_checkpointing = False  # recompute each block in the backward: less memory, ~1/3 more compute
-        self.compile_loss = False  # torch.compile the loss head's chunks (where the blocks are compiled)
-        self.init_weights()  # ties lm_head.weight to wte.weight
+        # Switches rather than config fields, because a checkpoint is the same either way.
+        # activation_checkpointing recomputes each block in the backward: less memory, about 1/3 more compute.
+        self.activation_checkpointing = False
+        self.compile_loss = False  # torch.compile the loss head's chunks, where the blocks are compiled
+        self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, named_parameters=None):
         """GPT-2's init in place (also after building on meta and to_empty()); padded vocabulary rows are zero."""
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, again where to_empty() made two of it
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, p in named_parameters or self.named_parameters():  # the tied weight once, as transformer.wte.weight
+        # Tie the weights here, not only in __init__, because to_empty() makes two parameters of the tied one.
+        self.lm_head.weight = self.transformer.wte.weight
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2 scales the residual projections down
+        # named_parameters() lists the tied weight once, as transformer.wte.weight
+        for name, p in named_parameters or self.named_parameters():
             if name == "transformer.wte.weight":
                 nn.init.normal_(p[:self.config.vocab_size], std=0.02)
                 nn.init.zeros_(p[self.config.vocab_size:])
@@ -249,46 +257,59 @@ class GPT(nn.Module):
         """Parameters as transformers counts them (real vocabulary rows); non_embedding=True leaves out wpe."""
         n = sum(p.numel() for p in self.parameters())
         n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
 
     def flops_per_token(self, seq_len=None):
-        """llm.c's count (gpt2_estimate_mfu): 6*N, every parameter once, + 6*L*C*T; 0.80e9 for GPT-2 124M, T=1024."""
-        n = sum(p.numel() for p in self.parameters())  # parameters() lists the tied weight once
-        return 6 * n + 6 * self.config.n_layer * self.config.n_embd * (seq_len or self.config.block_size)
+        """llm.c's count (gpt2_estimate_mfu): 6 FLOPs per parameter, plus 6*L*C*T for attention."""
+        n = sum(p.numel() for p in self.parameters())  # the tied weight counts once
+        T = seq_len or self.config.block_size
+        return 6 * n + 6 * self.config.n_layer * self.config.n_embd * T
 
     def forward(self, idx, targets=None, logits_at=None):
-        """(logits, None) without targets, (None, mean loss) with them; logits_at, a pair of index tensors (rows,
-        positions), asks for the logits at those positions only, (len(rows), vocab) (HellaSwag scores its endings)."""
+        """(logits, None) without targets, (None, mean loss) with them. logits_at, a pair of index tensors (rows,
+        positions), asks for the logits at those positions only: HellaSwag scores its endings' tokens alone."""
         T = idx.size(1)
         if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than the model's block_size {self.config.block_size}")
+            raise ValueError(f"sequence of length {T} is longer than the model's block_size "
+                             f"{self.config.block_size}")
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            # per block, as torchtitan applies it; composes with block.compile() and FSDP2's per-block fully_shard
-            x = checkpoint(block, x, use_reentrant=False) if checkpointing else block(x)
+            if checkpointing:
+                # Per block, as torchtitan applies it, so it composes with block.compile() and FSDP2's
+                # per-block fully_shard.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.transformer.ln_f(x)
-        # matmuls over the padded weight (aligned shapes); out come the real vocabulary's logits, or the loss alone
-        if targets is None:
-            if logits_at is not None:
-                x = x[logits_at]
-            return F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size].contiguous(), None
-        return None, chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                           vocab_size=self.config.vocab_size, compiled=self.compile_loss)
+        if targets is not None:
+            # the loss alone: the full logits of a training batch are never held (see ChunkedLinearCrossEntropy)
+            loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                         vocab_size=self.config.vocab_size, compiled=self.compile_loss)
+            return None, loss
+        if logits_at is not None:
+            x = x[logits_at]
+        # The matmul runs over the padded weight (aligned shapes); only the real vocabulary's logits come out.
+        logits = F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size]
+        return logits.contiguous(), None
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """idx (B, T) plus max_new_tokens sampled tokens, temperature 0 (or top_k=1) greedy; no dropout, no eval()."""
+        """idx (B, T) and max_new_tokens sampled tokens after it; temperature 0 (or top_k=1) is greedy."""
         if temperature < 0 or (top_k is not None and top_k < 1):
             raise ValueError(f"temperature must be >= 0 and top_k None or >= 1, got {temperature} and {top_k}")
         for _ in range(max_new_tokens):
+            # crop the context to block_size, and keep the logits at the last position only
             logits = self(idx[:, -self.config.block_size:])[0][:, -1, :].float()
             if temperature == 0 or top_k == 1:
                 idx_next = logits.argmax(dim=-1, keepdim=True)
             else:
                 logits = logits / temperature
                 if top_k is not None:
-                    logits[logits < torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]] = -float("inf")
+                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth_largest] = -float("inf")
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
@@ -296,9 +317,11 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def init_sharded(model, seed):
-    """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT, never holding it full."""
+    """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT, never held whole."""
 
-    def named_parameters():  # each whole on the CPU: every rank draws every number (the generator cannot skip)
+    def named_parameters():
+        # Each parameter is drawn whole on the CPU by every rank, because the generator cannot skip ahead to a
+        # shard's numbers; each rank keeps its block of it.
         for name, p in model.named_parameters():
             local, index = local_block(p)
             full = torch.empty(p.shape, dtype=p.dtype)
@@ -311,7 +334,7 @@ def init_sharded(model, seed):
 
 
 def local_block(param):
-    """(the tensor this rank holds, its block of the full parameter as slices): a DTensor's local shard, or all."""
+    """(the tensor this rank holds, its block of the full parameter as slices): a DTensor's shard, or all."""
     if not isinstance(param, DTensor):
         return param.data, tuple(slice(0, n) for n in param.shape)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -323,6 +346,11 @@ def local_block(param):
 # Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
+# config.json's keys and the GPTConfig fields they set; n_positions is listed after n_ctx, so it wins
+HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size", n_layer="n_layer",
+                      n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps",
+                      activation_function="activation")
+
 
 def from_pretrained(name_or_path, padded_vocab_size=None):
     """A GPT-2 in fp32 on the CPU from a hub id ("gpt2", "openai-community/gpt2-xl") or a local HF directory."""
@@ -330,7 +358,7 @@ def from_pretrained(name_or_path, padded_vocab_size=None):
     with torch.device("meta"):  # no random init: every parameter is read from the file
         model = GPT(dataclasses.replace(config, padded_vocab_size=padded_vocab_size))
     model.to_empty(device="cpu")
-    model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two Parameters of the tied one
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two parameters of the tied one
     load_hf_sharded(model, directory)
     return model
 
@@ -346,98 +374,127 @@ def resolve_pretrained(name_or_path):
         try:  # the config and the safetensors only: never a pickle, nor another framework's weights
             directory = huggingface_hub.snapshot_download(
                 name_or_path, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
-        except (OSError, ValueError) as e:  # not found, offline without a cached copy, invalid repo id
-            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available online ({e!r})") from e
+        except (OSError, ValueError) as e:  # not found, offline without a cached copy, an invalid repo id
+            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available online "
+                                    f"({e!r})") from e
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a train_gpt2.py run is "
-                                f"read from its out_dir or from one checkpoint, out_dir/ckpt/step_N)")
-    ours = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size", n_layer="n_layer",
-                n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps",
-                activation_function="activation")  # n_positions over n_ctx
-    try:  # what is wrong with the config, prefixed by its path
+        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a train_gpt2.py run "
+                                f"is read from its out_dir or from one checkpoint, out_dir/ckpt/step_N)")
+    try:
         hf = json.loads(pathlib.Path(path).read_text())
-        if not isinstance(hf, dict):
-            raise ValueError(f"not a config (a JSON {type(hf).__name__}, expected an object)")
-        if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
-            raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
-        if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation_function {hf['activation_function']!r}; "
-                             f"model.ACTIVATIONS has {', '.join(ACTIVATIONS)}")
-        # the values of these keys that the model implements
-        supported = dict(scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
-                         n_inner=(None, 4 * hf.get("n_embd", 768)))
-        for key, ok in supported.items():
-            if hf.get(key, ok[0]) not in ok:
-                raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, not {' or '.join(map(repr, ok))}")
-        return directory, GPTConfig(**{field: hf[key] for key, field in ours.items() if key in hf})
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
-    except ValueError as e:
+    try:
+        return directory, config_from_hf(hf)
+    except ValueError as e:  # what is wrong with the config, prefixed by its path
         raise ValueError(f"{path}: {e}") from e
+
+
+def config_from_hf(hf):
+    """The GPTConfig of a GPT-2 config.json's contents; ValueError for a variant this model does not compute."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"not a config (a JSON {type(hf).__name__}, expected an object)")
+    if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
+        raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
+    if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation_function {hf['activation_function']!r}; "
+                         f"model.ACTIVATIONS has {', '.join(ACTIVATIONS)}")
+    # The values of these keys that the model implements, the default first.
+    supported = dict(scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
+                     n_inner=(None, 4 * hf.get("n_embd", 768)))
+    for key, ok in supported.items():
+        if hf.get(key, ok[0]) not in ok:
+            raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, not {' or '.join(map(repr, ok))}")
+    return GPTConfig(**{field: hf[key] for key, field in HF_CONFIG_KEYS.items() if key in hf})
+
+
+def weight_files(directory):
+    """(a name for error messages, the safetensors files) of a Hugging Face directory, sharded or not."""
+    where = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(where):
+        return where, [where]
+    where = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.isfile(where):
+        raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors.index.json; "
+                                "convert a pytorch_model.bin to safetensors first)")
+    try:
+        files = sorted(set(json.loads(pathlib.Path(where).read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
+    return f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
+
+
+def tensor_sources(config, where, paths):
+    """Our parameter name -> (the file's key, the file holding it), checked against the shapes `config` gives."""
+    shapes, sources = {}, {}
+    try:
+        for path in paths:
+            with safe_open(path, "pt") as f:  # reads the header only
+                for key in f.keys():
+                    shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
+    except Exception as e:  # whatever the parser says, the file is the problem: name it
+        raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
+    # Hub files name their keys with or without "transformer.", hold lm_head.weight or not, and older ones hold
+    # the causal-mask buffers, which are not weights.
+    ours = {}
+    for key in shapes:
+        if key.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        if key.startswith(("transformer.", "lm_head.")):
+            ours[key] = key
+        else:
+            ours["transformer." + key] = key
+    expected = _hf_shapes(config)
+    problems = [f"missing tensor {name}" for name in expected if name not in ours]
+    expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight again, if stored
+    for name, key in ours.items():
+        if name not in expected:
+            problems.append(f"unexpected tensor {key}")
+        elif shapes[key] != expected[name]:
+            problems.append(f"{key} has shape {shapes[key]}, expected {expected[name]}")
+    if problems:
+        more = ""
+        if len(problems) > 5:
+            more = f"; and {len(problems) - 5} more"
+        raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])}{more})")
+    return {name: (key, sources[key]) for name, key in ours.items()}
 
 
 @torch.no_grad()
 def load_hf_sharded(model, name_or_path):
     """Fill `model`, plain or FSDP2-sharded (every rank calls), each rank reading only its rows of each tensor."""
     directory, config = resolve_pretrained(name_or_path)
-    differ = [f"{k} {getattr(model.config, k)} (file: {getattr(config, k)})" for k in dataclasses.asdict(config)
-              if k != "padded_vocab_size" and getattr(model.config, k) != getattr(config, k)]  # ours to choose
+    differ = []
+    for field in dataclasses.asdict(config):
+        if field != "padded_vocab_size" and getattr(model.config, field) != getattr(config, field):
+            differ.append(f"{field} {getattr(model.config, field)} (file: {getattr(config, field)})")
     if differ:
         raise ValueError(f"{directory}/config.json: the model to load into differs: {', '.join(differ)}")
-    where = os.path.join(directory, "model.safetensors")
-    paths = [where]
-    if not os.path.isfile(where):
-        where = os.path.join(directory, "model.safetensors.index.json")
-        if not os.path.isfile(where):
-            raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors.index.json; "
-                                    "convert a pytorch_model.bin to safetensors first)")
-        try:
-            files = sorted(set(json.loads(pathlib.Path(where).read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
-        where, paths = f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
-    shapes, sources = {}, {}  # the file's key -> its shape, and the file that holds it
-    try:
-        for path in paths:
-            with safe_open(path, "pt") as f:  # the header only
-                for key in f.keys():
-                    shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
-    except Exception as e:  # whatever the parser says, the file is the problem: name it
-        raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
-    # keys with or without "transformer.", lm_head.weight or not; not older transformers' causal-mask buffers
-    keys = {key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key: key  # ours -> the file's
-            for key in shapes if not key.endswith((".attn.bias", ".attn.masked_bias"))}
-    expected = _hf_shapes(config)
-    problems = [f"missing tensor {name}" for name in expected if name not in keys]
-    expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight again, or not there
-    problems += [f"unexpected tensor {key}" for name, key in keys.items() if name not in expected]
-    problems += [f"{key} has shape {shapes[key]}, expected {expected[name]}"
-                 for name, key in keys.items() if name in expected and shapes[key] != expected[name]]
-    if problems:
-        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])}{more})")
+    where, paths = weight_files(directory)
+    sources = tensor_sources(config, where, paths)
 
     def read(name, index):  # the block `index` (a tuple of slices) of the file's tensor for our `name`
-        with safe_open(sources[keys[name]], "pt") as f:  # opened per tensor: its mapped pages go once it is read
-            return f.get_slice(keys[name])[index]
+        key, path = sources[name]
+        with safe_open(path, "pt") as f:  # opened per tensor, so its mapped pages go once it is read
+            return f.get_slice(key)[index]
 
     params = dict(model.named_parameters())  # the tied lm_head.weight is listed once, as transformer.wte.weight
-    untied = torch.zeros(1, device=next(iter(params.values())).device)  # this rank's rows of lm_head differ from wte
+    untied = torch.zeros(1, device=next(iter(params.values())).device)  # this rank's lm_head rows differ from wte's
     for name, p in params.items():
         local, index = local_block(p)
         if name.endswith(CONV1D_WEIGHTS):  # our rows of a Conv1D weight are the file's columns
             local.copy_(read(name, index[::-1]).t())
         elif name in ("transformer.wte.weight", "lm_head.weight"):  # lm_head.weight: a copy to_empty() untied
-            in_file = (slice(min(index[0].start, config.vocab_size), min(index[0].stop, config.vocab_size)), *index[1:])
-            rows = read("transformer.wte.weight", in_file)
-            if "lm_head.weight" in keys:
-                untied += not torch.equal(rows, read("lm_head.weight", in_file))
+            vocab_rows = slice(min(index[0].start, config.vocab_size), min(index[0].stop, config.vocab_size))
+            rows = read("transformer.wte.weight", (vocab_rows, *index[1:]))
+            if "lm_head.weight" in sources:
+                untied += not torch.equal(rows, read("lm_head.weight", (vocab_rows, *index[1:])))
             local[:rows.size(0)].copy_(rows)
             local[rows.size(0):].zero_()  # the padded rows, past vocab_size
         else:
             local.copy_(read(name, index))
-    if any(isinstance(p, DTensor) for p in params.values()):  # every rank fails alike
+    if any(isinstance(p, DTensor) for p in params.values()):  # so that every rank fails alike
         dist.all_reduce(untied)
     if untied.item():
         raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied embeddings are not supported)")
@@ -447,20 +504,49 @@ def _hf_shapes(config):
     """Tensor name -> shape in a Hugging Face file (Conv1D layout, real vocabulary rows)."""
     with torch.device("meta"):
         model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
-    return {name: tuple(reversed(p.shape) if name.endswith(CONV1D_WEIGHTS) else p.shape)
-            for name, p in model.state_dict().items() if name != "lm_head.weight"}
+    shapes = {}
+    for name, p in model.state_dict().items():
+        if name.endswith(CONV1D_WEIGHTS):
+            shapes[name] = tuple(reversed(p.shape))
+        elif name != "lm_head.weight":
+            shapes[name] = tuple(p.shape)
+    return shapes
+
+
+def hf_config(cfg, dtype):
+    """transformers' config.json for GPT2LMHeadModel with our config's shapes and activation."""
+    # GPT-2's <|endoftext|>, said outright: transformers would assume it even where the vocabulary has no such id
+    endoftext = None
+    if cfg.vocab_size > 50256:
+        endoftext = 50256
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+        "activation_function": cfg.activation, "layer_norm_epsilon": cfg.layer_norm_eps,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": endoftext, "eos_token_id": endoftext}
+
+
+def replaceable(directory):
+    """Whether export_hf may replace `directory`: nothing there, an empty directory, or an earlier export."""
+    if not os.path.exists(directory):
+        return True
+    if not os.path.isdir(directory):
+        return False
+    return not os.listdir(directory) or os.path.isfile(os.path.join(directory, "config.json"))
 
 
 @torch.no_grad()
 def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped in whole."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
-    cfg, writer = model.config, not dist.is_initialized() or dist.get_rank() == 0
+    cfg = model.config
+    writer = not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
-    new, old = (os.path.join(parent, f".{base}.{os.getpid()}.{kind}") for kind in ("tmp", "old"))
+    new = os.path.join(parent, f".{base}.{os.getpid()}.tmp")
     if writer:
-        if os.path.exists(directory) and not (os.path.isdir(directory) and (
-                not os.listdir(directory) or os.path.isfile(os.path.join(directory, "config.json")))):
+        if not replaceable(directory):
             raise ValueError(f"{directory}: exists and is not a model directory; not replaced")
         for name in os.listdir(parent) if os.path.isdir(parent) else []:  # what a killed export left
             if re.fullmatch(rf"\.{re.escape(base)}\.\d+\.(tmp|old)", name):
@@ -468,25 +554,25 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     params, expected = dict(model.named_parameters()), _hf_shapes(cfg)
     dtype = params["transformer.wte.weight"].dtype
 
-    def file_tensor(name):  # every rank gathers (one tensor at a time), the writer keeps it
+    def file_tensor(name):  # every rank gathers (one tensor at a time); the writer keeps it
         if name not in params:  # a model without biases computes what one with zero biases does
             return torch.zeros(expected[name], dtype=dtype)
-        tensor = params[name].full_tensor() if isinstance(params[name], DTensor) else params[name]
-        tensor = tensor[:cfg.vocab_size] if name == "transformer.wte.weight" else tensor
-        return (tensor.t() if name.endswith(CONV1D_WEIGHTS) else tensor).cpu().contiguous() if writer else None
+        tensor = params[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        if name == "transformer.wte.weight":
+            tensor = tensor[:cfg.vocab_size]
+        if not writer:
+            return None
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        return tensor.cpu().contiguous()
 
     # transformers' own sharding: tensors in state-dict order, a new file when the next would pass max_shard_size
     split = huggingface_hub.split_torch_state_dict_into_shards(
         {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in expected.items()},
         max_shard_size=max_shard_size)
-    # GPT-2's <|endoftext|>, said outright: transformers would assume it even where the vocabulary has no such id
-    endoftext = 50256 if cfg.vocab_size > 50256 else None
-    files = {"config.json": {  # transformers' config.json for GPT2LMHeadModel
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": cfg.activation,
-        "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": endoftext, "eos_token_id": endoftext}}
+    files = {"config.json": hf_config(cfg, dtype)}
     if split.is_sharded:
         files["model.safetensors.index.json"] = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
     try:
@@ -506,23 +592,42 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
             os.chmod(os.path.join(new, name), 0o644)  # safetensors creates 0600 files
             _fsync(os.path.join(new, name))
         _fsync(new)
-        # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); elsewhere the old one is first renamed aside
-        renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-        exchanged = os.path.exists(directory) and renameat2 is not None and \
-            renameat2(-100, os.fsencode(new), -100, os.fsencode(directory), 2) == 0  # AT_FDCWD, RENAME_EXCHANGE
-        if not exchanged:
-            if os.path.exists(directory):
-                os.rename(directory, old)
-            os.rename(new, directory)
-        _fsync(parent)
-        shutil.rmtree(new if exchanged else old, ignore_errors=True)  # the old directory
+        swap_in(new, directory)
     except BaseException as e:
         shutil.rmtree(new, ignore_errors=True)  # frees the space at once
         if isinstance(e, SafetensorError) or getattr(e, "strerror", None):  # a full disk, a read-only directory
-            # atomic_io.error_reason's rule (model.py imports no project file)
-            reason = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            raise OSError(f"cannot write {directory}: {reason}") from None
+            raise OSError(f"cannot write {directory}: {error_reason(e)}") from None
         raise  # extra_files' own one-line errors among them
+
+
+def swap_in(new, directory):
+    """Put directory `new` in the place of `directory`, so that a reader finds the old or the new one whole."""
+    parent, base = os.path.split(os.path.abspath(directory))
+    # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); elsewhere the old one is first renamed aside
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    exchanged = False
+    if os.path.exists(directory) and renameat2 is not None:
+        AT_FDCWD, RENAME_EXCHANGE = -100, 2
+        exchanged = renameat2(AT_FDCWD, os.fsencode(new), AT_FDCWD, os.fsencode(directory), RENAME_EXCHANGE) == 0
+    old = new  # after an exchange the old directory is where the new one was
+    if not exchanged:
+        old = os.path.join(parent, f".{base}.{os.getpid()}.old")
+        if os.path.exists(directory):
+            os.rename(directory, old)
+        os.rename(new, directory)
+    _fsync(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def error_reason(e):
+    """The one line of an OSError or a safetensors error that says what went wrong (atomic_io.error_reason's rule;
+    model.py imports no project file)."""
+    if getattr(e, "strerror", None):
+        return e.strerror
+    lines = str(e).strip().splitlines()
+    if lines:
+        return lines[-1]
+    return type(e).__name__
 
 
 def _fsync(path):
@@ -535,18 +640,23 @@ def _fsync(path):
 
 # ----------------------------------------------------------------------------- train_gpt2.py's checkpoints, read
 
-# out_dir/ckpt/step_NNNNNNNN/ (DCP files, train_state.json, rng.pt) is complete once train_gpt2.py wrote MARKER last
+# A checkpoint, out_dir/ckpt/step_NNNNNNNN/ (DCP files, train_state.json, rng.pt), is complete once train_gpt2.py
+# has written MARKER, which it writes last.
 MARKER = "complete.json"
 
-# a checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole
+# A checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def complete_checkpoints(ckpt_root):
     """Paths of the complete checkpoints under ckpt_root, oldest first."""
-    names = os.listdir(ckpt_root) if os.path.isdir(ckpt_root) else []
-    return sorted(os.path.join(ckpt_root, name) for name in names
-                  if re.fullmatch(r"step_\d{8}", name) and os.path.isfile(os.path.join(ckpt_root, name, MARKER)))
+    if not os.path.isdir(ckpt_root):
+        return []
+    found = []
+    for name in os.listdir(ckpt_root):
+        if re.fullmatch(r"step_\d{8}", name) and os.path.isfile(os.path.join(ckpt_root, name, MARKER)):
+            found.append(os.path.join(ckpt_root, name))
+    return sorted(found)
 
 
 def read_train_state(ckpt_path):
@@ -557,13 +667,20 @@ def check_checkpoint(path):
     """None if each file of checkpoint `path` has its written size and train_state.json reads, else why not."""
     name = os.path.join(path, MARKER)
     try:
-        for file, size in json.loads(pathlib.Path(name).read_text())["sizes"].items():  # the shards included
+        # MARKER lists every file's size as written, the model and optimizer shards included
+        for file, size in json.loads(pathlib.Path(name).read_text())["sizes"].items():
             name = os.path.join(path, file)
-            if (actual := os.path.getsize(name)) != size:
-                return f"{name}: {'truncated' if actual < size else 'changed'} ({actual} bytes, {size} when written)"
+            actual = os.path.getsize(name)
+            if actual < size:
+                return f"{name}: truncated ({actual} bytes, {size} when written)"
+            if actual > size:
+                return f"{name}: changed ({actual} bytes, {size} when written)"
         name = os.path.join(path, "train_state.json")
-        missing = [key for key in ("step", "consumed_samples", "model_config") if key not in read_train_state(path)]
-        return f"{name}: no '{missing[0]}'" if missing else None
+        state = read_train_state(path)
+        for key in ("step", "consumed_samples", "model_config"):
+            if key not in state:
+                return f"{name}: no '{key}'"
+        return None
     except Exception as e:  # any way a file can be unreadable: missing, empty, not JSON
         return f"{name}: {type(e).__name__}: {e}"
 
@@ -578,22 +695,29 @@ def set_aside(path, why):
 
 
 def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
-    """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or None; messages naming
-    those skipped). Damaged ones are renamed aside, never deleted, or with read_only left in place. One process."""
+    """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or None; messages
+    naming those skipped). Damaged ones are renamed aside, never deleted, or with read_only left in place."""
     messages, damaged = [], []
     while found := [path for path in complete_checkpoints(ckpt_root) if path not in damaged]:
-        problem = check_checkpoint(found[-1])
+        newest = found[-1]
+        problem = check_checkpoint(newest)
         if problem is None and load is not None:
             try:
-                load(found[-1])
+                load(newest)
             except Exception as e:  # whatever failed to read, the checkpoint is the problem
-                problem = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                problem = f"{type(e).__name__}: {first_line}"
         if problem is None:
-            return found[-1], messages
-        if [path for path in complete_checkpoints(ckpt_root) if path not in damaged] == found:  # else a live run
-            damaged.append(found[-1])  # deleted it or wrote a newer one meanwhile: look again from the newest
-            kept = "left in place" if read_only else f"kept as {set_aside(found[-1], 'damaged')}"
-            messages.append(f"skipping damaged checkpoint {found[-1]}: {problem}; {kept}")
+            return newest, messages
+        # A live run may have deleted the checkpoint or written a newer one while we read: then look again from
+        # the newest, and only call a checkpoint damaged when the list did not change under us.
+        if [path for path in complete_checkpoints(ckpt_root) if path not in damaged] == found:
+            damaged.append(newest)
+            if read_only:
+                kept = "left in place"
+            else:
+                kept = f"kept as {set_aside(newest, 'damaged')}"
+            messages.append(f"skipping damaged checkpoint {newest}: {problem}; {kept}")
     return None, messages
 
 
@@ -617,21 +741,21 @@ def resolve_checkpoint(path, load=None):
 
 
 def load_weights(ckpt_path, model):
-    """A checkpoint's model weights into `model` (plain or FSDP2); NaN or inf raise ValueError on every rank alike."""
+    """A checkpoint's model weights into `model` (plain or FSDP2); NaN or inf raise ValueError on every rank."""
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=ckpt_path)
     set_model_state_dict(model, state["model"])
     params = dict(model.named_parameters())
     finite = torch.stack([torch.isfinite(local_block(p)[0]).all() for p in params.values()]).int()
     if any(isinstance(p, DTensor) for p in params.values()):
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # so that every rank raises alike
     bad = [name for name, ok in zip(params, finite.tolist()) if not ok]
     if bad:
         raise ValueError(f"{ckpt_path}: the weights hold NaN or inf ({', '.join(bad[:3])})")
 
 
 def load_model(name_or_path):
-    """A GPT in fp32 on the CPU from a hub name, an HF GPT-2 directory, or a train_gpt2.py run or checkpoint."""
+    """A GPT in fp32 on the CPU from a hub id, an HF GPT-2 directory, or a train_gpt2.py run or checkpoint."""
     if not is_run_or_checkpoint(name_or_path):
         return from_pretrained(name_or_path)
     models = {}
