@@ -1,4 +1,6 @@
-"""GPT-2 as GPT2LMHeadModel computes it; HF files in and out (per FSDP2 shard too); train_gpt2.py checkpoints read."""
+"""GPT-2 as transformers' GPT2LMHeadModel computes it, written to be edited: the activation, the
+loss and the blocks each live in one place. Also Hugging Face files in and out (per FSDP2 shard too)
+and the reading of train_gpt2.py's checkpoints. It imports no other file of the project."""
 import ctypes
 import dataclasses
 import functools
@@ -25,25 +27,23 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-
-# The MLP's activation, by the name Hugging Face's GPT-2 config gives it (`activation_function`, one of
-# transformers.activations.ACT2FN's keys), so that an export runs in transformers as it trained here. To try another
-# activation, add it here under the name transformers knows it by.
+# The MLP's activation, keyed by the name a Hugging Face config.json gives it (activation_function,
+# a key of transformers.activations.ACT2FN), so that an export runs in transformers as it trained
+# here. To try another activation, add it here under the name transformers knows it by.
 ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # the same function, by another name
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # the same, by another name
     "gelu": F.gelu,
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Primer, modded-nanogpt)
     "silu": F.silu,
 }
 
-
 @dataclasses.dataclass
 class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 50257
-    # Rows of wte and lm_head, e.g. 50304 (a multiple of 64): the head's matmuls run faster on aligned shapes.
+    # rows of wte and lm_head, e.g. 50304 (a multiple of 64): aligned matmuls run faster
     padded_vocab_size: int = None
     n_layer: int = 12
     n_head: int = 12
@@ -59,8 +59,8 @@ class GPTConfig:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than "
                              f"vocab_size={self.vocab_size}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-
+            raise ValueError(f"unknown activation {self.activation!r}; "
+                             f"choose one of {', '.join(ACTIVATIONS)}")
 
 class CausalSelfAttention(nn.Module):
 
@@ -78,11 +78,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        # flash attention where the backend has it; is_causal masks the future without a (T, T) mask tensor
+        # flash attention where the backend has it; is_causal masks the future without a (T, T) mask
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.c_proj(y)
-
 
 class MLP(nn.Module):
 
@@ -94,7 +93,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.c_proj(self.activation(self.c_fc(x)))
-
 
 class Block(nn.Module):
 
@@ -109,67 +107,61 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
-
 # ----------------------------------------------------------------------------- the loss head
 
 def chunk_loss(logits, targets):
-    """The summed loss of one chunk of rows: logits (rows, vocab_size) in the matmuls' dtype, targets (rows,) with
-    -100 where a position is not scored. Edit this to change the loss (a z-loss, a soft cap on the logits): the head
-    below takes its gradient with autograd, compiled or not, so nothing else needs to change."""
+    """The summed loss of one chunk of rows: logits (rows, vocab_size) in the matmul's dtype,
+    targets (rows,) with -100 where a position is not scored. Edit this to change the loss (a
+    z-loss, a soft cap on the logits): the head differentiates it with autograd, nothing else."""
     return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
 
-
 def _real_vocab_chunk_loss(logits, targets, vocab_size):
-    # The head's matmul runs over the padded weight, whose aligned shape is faster; slicing off the padded columns
-    # here keeps them out of the softmax, so they get no loss and no gradient. chunk_loss is looked up at each call
-    # (torch.compile guards on it too), so an edited or monkeypatched chunk_loss is the one that runs.
+    # The head's matmul runs over the padded weight, whose aligned shape is faster. Slicing off the
+    # padded columns keeps them out of the softmax whatever chunk_loss does. chunk_loss is looked up
+    # at each call (torch.compile guards on it), so an edited one is the one that runs.
     return chunk_loss(logits[:, :vocab_size], targets)
-
 
 @functools.cache
 def _compiled_chunk_loss():
-    # Compiled on first use rather than at import, because importing the compiler takes a second. AOTAutograd
-    # derives the backward and Inductor fuses each direction into a few passes over the chunk.
+    # Compiled on first use rather than at import, because importing the compiler takes a second.
+    # AOTAutograd derives the backward; Inductor fuses each direction into a few passes.
     return torch.compile(_real_vocab_chunk_loss)
 
-
-# Rows of logits the loss head holds at once. Fewer rows hold less memory; more rows make each matmul larger and
-# spread the per-chunk cost of adding into the fp32 weight gradient. On the CPU, chunks under glibc's 32 MiB
-# mmap threshold are reused from the heap instead of faulting in fresh pages each time (docs/model.md).
+# Rows of logits the loss head holds at once. Fewer rows hold less memory; more rows make each
+# matmul larger and spread the per-chunk cost of adding into the fp32 weight gradient. On the CPU,
+# chunks under glibc's 32 MiB mmap threshold are reused from the heap, not faulted in afresh.
 LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=128)
 
-
 def loss_head_bytes(rows, vocab_rows, n_embd, act_bytes, compiled):
-    """The most memory the loss head holds at once beyond its inputs and x's gradient, for chunks of `rows` rows
-    over a weight of `vocab_rows` rows in a compute dtype of `act_bytes` bytes: train_gpt2.py plans with it. The
-    per-chunk terms were measured on the CPU (peak RSS); eagerly in 16 bits they are an upper bound."""
+    """The most memory the loss head holds at once beyond its inputs and x's gradient, for chunks of
+    `rows` rows over a weight of `vocab_rows` rows, in a compute dtype of `act_bytes` bytes. The
+    per-chunk terms were measured on the CPU; eagerly in 16 bits they are an upper bound."""
     chunk = rows * vocab_rows
     held = 4 * vocab_rows * n_embd  # the fp32 weight gradient, summed chunk by chunk
     if act_bytes < 4:
-        # the weight cast once to the compute dtype, and each chunk's weight gradient before it is summed
+        # the weight cast once to 16 bits, and each chunk's weight gradient before it is summed
         held += 2 * act_bytes * vocab_rows * n_embd
     held += act_bytes * chunk  # one chunk's logits
     if compiled:
-        held += 8 * chunk  # the fp32 buffers of the compiled loss and its gradient
+        held += 8 * chunk  # the compiled loss's fp32 buffers and its gradient
     else:
-        held += 16 * chunk  # cross_entropy's fp32 log-softmax, and the fp32 gradients its backward passes along
+        held += 16 * chunk  # cross_entropy's fp32 log-softmax, and its backward's fp32 gradients
     return held
 
-
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """The mean of chunk_loss over x @ weight.T, one chunk of rows at a time. The forward takes each chunk's gradients
-    as well (with autograd, from chunk_loss), so no chunk's logits outlive its turn; the backward only scales them."""
+    """The mean of chunk_loss over x @ weight.T, one chunk of rows at a time. The forward also takes
+    each chunk's gradients (autograd's, of chunk_loss), so no chunk's logits outlive their turn in
+    the loop; the backward only scales them."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, vocab_size, chunk_size, compiled, with_grads):
         x_dtype, weight_dtype = x.dtype, weight.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            # Cast once here, not once per chunk as autocast would: it caches the casts of leaf parameters only.
-            dtype = torch.get_autocast_dtype(x.device.type)
+        device = x.device.type  # meta (FLOP counting) has no autocast to ask about
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            # cast once here, not per chunk as autocast would (it caches leaf parameters only)
+            dtype = torch.get_autocast_dtype(device)
             x, weight = x.to(dtype), weight.to(dtype)
-        loss_fn = _real_vocab_chunk_loss
-        if compiled:
-            loss_fn = _compiled_chunk_loss()
+        loss_fn = _compiled_chunk_loss() if compiled else _real_vocab_chunk_loss
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
         chunks = [slice(start, start + chunk_size) for start in range(0, len(x), chunk_size)]
         if not with_grads:  # evaluation: the loss alone
@@ -182,12 +174,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (x[rows] @ weight.t()).requires_grad_(True)
             with torch.enable_grad():
                 chunk = loss_fn(logits, targets[rows], vocab_size)
-            # This chunk's share of the mean loss, differentiated by autograd; then the head's two matmuls.
+            # the gradient of this chunk's share of the mean loss; then the head's own two matmuls
             (grad_logits,) = torch.autograd.grad(chunk, logits, grad_outputs=1 / count)
             loss += chunk.detach()
             torch.mm(grad_logits, weight, out=grad_x[rows])
             if grad_logits.dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), x[rows])  # in place: no (vocab, n_embd) temporary
+                # in place, so no temporary (addmm's out= form, which torch's FLOP counter sees)
+                torch.addmm(grad_weight, grad_logits.t(), x[rows], out=grad_weight)
             else:
                 grad_weight += grad_logits.t() @ x[rows]  # 16-bit products, summed in fp32
         ctx.save_for_backward(grad_x.to(x_dtype), grad_weight.to(weight_dtype))
@@ -196,23 +189,22 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_x, grad_weight = ctx.saved_tensors
-        # in place: the saved weight gradient is as large as the weight, and backward runs once
+        # in place, because the weight gradient is as large as the weight and the backward runs once
         return grad_x * grad_output, grad_weight.mul_(grad_output), None, None, None, None, None
 
-
-# Dynamo cannot trace the autograd.grad in the head's forward: inside a whole-model torch.compile the head runs as
-# it does outside one (one graph break), and compile_loss compiles its chunks.
+# Dynamo cannot trace the autograd.grad in the head's forward. Inside a whole-model torch.compile
+# the head runs as it does outside one, and compile_loss compiles its chunks.
 @torch.compiler.disable
 def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, compiled=False):
-    """Mean chunk_loss of x @ weight[:vocab_size].T over the scored targets, never holding the full logits."""
-    if chunk_size is None:
-        chunk_size = LOSS_CHUNK_ROWS.get(x.device.type, 1024)
-    if vocab_size is None:
-        vocab_size = weight.size(0)
-    # Validation needs no gradients: then the head computes the loss alone.
+    """Mean chunk_loss of x @ weight[:vocab_size].T over the scored targets, chunk by chunk."""
+    chunk_size = chunk_size or LOSS_CHUNK_ROWS.get(x.device.type, 1024)
+    vocab_size = vocab_size or weight.size(0)
+    # Validation needs no gradients, and then the head computes the loss alone.
     with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_size, compiled, with_grads)
+    return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_size, compiled,
+                                           with_grads)
 
+# ----------------------------------------------------------------------------- the model
 
 class GPT(nn.Module):
 
@@ -228,17 +220,17 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
         # Switches rather than config fields, because a checkpoint is the same either way.
-        # activation_checkpointing recomputes each block in the backward: less memory, about 1/3 more compute.
+        # activation_checkpointing recomputes each block in the backward: less memory, more compute
         self.activation_checkpointing = False
-        self.compile_loss = False  # torch.compile the loss head's chunks, where the blocks are compiled
+        self.compile_loss = False  # torch.compile the loss head's chunks, as the blocks are
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, named_parameters=None):
-        """GPT-2's init in place (also after building on meta and to_empty()); padded vocabulary rows are zero."""
-        # Tie the weights here, not only in __init__, because to_empty() makes two parameters of the tied one.
+        """GPT-2's init in place (also after meta and to_empty()); padded rows are zero."""
+        # Tied here rather than in __init__, because to_empty() makes two of the tied parameter.
         self.lm_head.weight = self.transformer.wte.weight
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2 scales the residual projections down
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2's for residual projections
         # named_parameters() lists the tied weight once, as transformer.wte.weight
         for name, p in named_parameters or self.named_parameters():
             if name == "transformer.wte.weight":
@@ -254,22 +246,20 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def num_params(self, non_embedding=True):
-        """Parameters as transformers counts them (real vocabulary rows); non_embedding=True leaves out wpe."""
+        """Parameters as transformers counts them (real vocabulary rows), less wpe's if asked."""
         n = sum(p.numel() for p in self.parameters())
         n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len=None):
-        """llm.c's count (gpt2_estimate_mfu): 6 FLOPs per parameter, plus 6*L*C*T for attention."""
+        """llm.c's count (gpt2_estimate_mfu): 6 per parameter, plus 6*L*C*T for attention."""
         n = sum(p.numel() for p in self.parameters())  # the tied weight counts once
         T = seq_len or self.config.block_size
         return 6 * n + 6 * self.config.n_layer * self.config.n_embd * T
 
     def forward(self, idx, targets=None, logits_at=None):
-        """(logits, None) without targets, (None, mean loss) with them. logits_at, a pair of index tensors (rows,
-        positions), asks for the logits at those positions only: HellaSwag scores its endings' tokens alone."""
+        """(logits, None) without targets, (None, mean loss) with them. logits_at, a pair of index
+        tensors (rows, positions), asks for the logits there only (HellaSwag scores its endings)."""
         T = idx.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's block_size "
@@ -277,29 +267,28 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:
-            if checkpointing:
-                # Per block, as torchtitan applies it, so it composes with block.compile() and FSDP2's
-                # per-block fully_shard.
+            if checkpointing:  # per block, as torchtitan does: it composes with compile and FSDP2
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
         x = self.transformer.ln_f(x)
-        if targets is not None:
-            # the loss alone: the full logits of a training batch are never held (see ChunkedLinearCrossEntropy)
+        if targets is not None:  # the loss alone: a training batch's logits are never held at once
             loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         vocab_size=self.config.vocab_size, compiled=self.compile_loss)
+                                         vocab_size=self.config.vocab_size,
+                                         compiled=self.compile_loss)
             return None, loss
         if logits_at is not None:
             x = x[logits_at]
-        # The matmul runs over the padded weight (aligned shapes); only the real vocabulary's logits come out.
+        # the matmul runs over the padded weight (aligned); only the real vocabulary comes out
         logits = F.linear(x, self.lm_head.weight)[..., :self.config.vocab_size]
         return logits.contiguous(), None
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """idx (B, T) and max_new_tokens sampled tokens after it; temperature 0 (or top_k=1) is greedy."""
+        """idx (B, T) and max_new_tokens sampled tokens after it; temperature 0 is greedy."""
         if temperature < 0 or (top_k is not None and top_k < 1):
-            raise ValueError(f"temperature must be >= 0 and top_k None or >= 1, got {temperature} and {top_k}")
+            raise ValueError(f"temperature must be >= 0 and top_k None or >= 1, "
+                             f"got {temperature} and {top_k}")
         for _ in range(max_new_tokens):
             # crop the context to block_size, and keep the logits at the last position only
             logits = self(idx[:, -self.config.block_size:])[0][:, -1, :].float()
@@ -308,20 +297,19 @@ class GPT(nn.Module):
             else:
                 logits = logits / temperature
                 if top_k is not None:
-                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits[logits < kth_largest] = -float("inf")
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth] = -float("inf")
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
 
-
 @torch.no_grad()
 def init_sharded(model, seed):
-    """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT, never held whole."""
+    """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT."""
 
     def named_parameters():
-        # Each parameter is drawn whole on the CPU by every rank, because the generator cannot skip ahead to a
-        # shard's numbers; each rank keeps its block of it.
+        # Every rank draws each parameter whole on the CPU, because the generator cannot skip ahead
+        # to a shard's numbers; each rank then keeps its own block.
         for name, p in model.named_parameters():
             local, index = local_block(p)
             full = torch.empty(p.shape, dtype=p.dtype)
@@ -332,101 +320,98 @@ def init_sharded(model, seed):
         torch.default_generator.manual_seed(seed)
         model.init_weights(named_parameters())
 
-
 def local_block(param):
-    """(the tensor this rank holds, its block of the full parameter as slices): a DTensor's shard, or all."""
+    """(the tensor this rank holds, its block of the full parameter as a tuple of slices)."""
     if not isinstance(param, DTensor):
         return param.data, tuple(slice(0, n) for n in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
     return param.to_local(), tuple(slice(start, start + n) for start, n in zip(offset, shape))
 
+# ------------------------------------------------------------------------- Hugging Face GPT-2 files
 
-# ----------------------------------------------------------------------------- Hugging Face GPT-2 files
+# Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
 
-# Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's (out, in).
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-# config.json's keys and the GPTConfig fields they set; n_positions is listed after n_ctx, so it wins
-HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size", n_layer="n_layer",
-                      n_head="n_head", n_embd="n_embd", layer_norm_epsilon="layer_norm_eps",
-                      activation_function="activation")
-
+# config.json's keys and the GPTConfig fields they set; n_positions comes after n_ctx, so it wins
+HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size",
+                      n_layer="n_layer", n_head="n_head", n_embd="n_embd",
+                      layer_norm_epsilon="layer_norm_eps", activation_function="activation")
 
 def from_pretrained(name_or_path, padded_vocab_size=None):
-    """A GPT-2 in fp32 on the CPU from a hub id ("gpt2", "openai-community/gpt2-xl") or a local HF directory."""
+    """A GPT-2 in fp32 on the CPU from a hub id ("gpt2") or a Hugging Face directory."""
     directory, config = resolve_pretrained(name_or_path)
     with torch.device("meta"):  # no random init: every parameter is read from the file
         model = GPT(dataclasses.replace(config, padded_vocab_size=padded_vocab_size))
     model.to_empty(device="cpu")
-    model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two parameters of the tied one
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two of the tied one
     load_hf_sharded(model, directory)
     return model
 
-
 def resolve_pretrained(name_or_path):
-    """(local directory, GPTConfig) of a Hugging Face GPT-2 directory or hub id; reads no weights."""
+    """(local directory, GPTConfig) of a Hugging Face directory or hub id; reads no weights."""
     directory = name_or_path
     if os.path.isfile(directory):
-        raise ValueError(f"{directory}: a file; expected a model directory or a Hugging Face hub id")
+        raise ValueError(f"{directory}: a file; expected a model directory or a hub id")
     if not os.path.isdir(directory):
         if directory.startswith((".", "/", "~")):
             raise FileNotFoundError(f"{directory}: no such model directory")
         try:  # the config and the safetensors only: never a pickle, nor another framework's weights
-            directory = huggingface_hub.snapshot_download(
-                name_or_path, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
-        except (OSError, ValueError) as e:  # not found, offline without a cached copy, an invalid repo id
-            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available online "
-                                    f"({e!r})") from e
+            patterns = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+            directory = huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns)
+        except (OSError, ValueError) as e:  # not found, offline and not cached, an invalid id
+            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available "
+                                    f"online ({e!r})") from e
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a train_gpt2.py run "
-                                f"is read from its out_dir or from one checkpoint, out_dir/ckpt/step_N)")
+        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a "
+                                f"train_gpt2.py run is read from its out_dir or from one "
+                                f"checkpoint, out_dir/ckpt/step_N)")
     try:
-        hf = json.loads(pathlib.Path(path).read_text())
+        return directory, config_from_hf(json.loads(pathlib.Path(path).read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
-    try:
-        return directory, config_from_hf(hf)
     except ValueError as e:  # what is wrong with the config, prefixed by its path
         raise ValueError(f"{path}: {e}") from e
 
-
 def config_from_hf(hf):
-    """The GPTConfig of a GPT-2 config.json's contents; ValueError for a variant this model does not compute."""
+    """The GPTConfig of a config.json's contents; ValueError for a variant we do not compute."""
     if not isinstance(hf, dict):
         raise ValueError(f"not a config (a JSON {type(hf).__name__}, expected an object)")
     if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
-        raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); only GPT-2 is supported")
+        raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); "
+                         f"only GPT-2 is supported")
     if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
         raise ValueError(f"unsupported activation_function {hf['activation_function']!r}; "
                          f"model.ACTIVATIONS has {', '.join(ACTIVATIONS)}")
-    # The values of these keys that the model implements, the default first.
+    # the values of these keys that the model implements, the default first
     supported = dict(scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
                      n_inner=(None, 4 * hf.get("n_embd", 768)))
     for key, ok in supported.items():
         if hf.get(key, ok[0]) not in ok:
-            raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, not {' or '.join(map(repr, ok))}")
+            raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, "
+                             f"not {' or '.join(map(repr, ok))}")
     return GPTConfig(**{field: hf[key] for key, field in HF_CONFIG_KEYS.items() if key in hf})
 
-
 def weight_files(directory):
-    """(a name for error messages, the safetensors files) of a Hugging Face directory, sharded or not."""
+    """(a name for messages, the safetensors files) of a Hugging Face directory, sharded or not."""
     where = os.path.join(directory, "model.safetensors")
     if os.path.isfile(where):
         return where, [where]
     where = os.path.join(directory, "model.safetensors.index.json")
     if not os.path.isfile(where):
-        raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors.index.json; "
-                                "convert a pytorch_model.bin to safetensors first)")
+        raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors"
+                                ".index.json; convert a pytorch_model.bin to safetensors first)")
     try:
         files = sorted(set(json.loads(pathlib.Path(where).read_text())["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; {e!r})") from e
+        raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; "
+                         f"{e!r})") from e
     return f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
 
-
 def tensor_sources(config, where, paths):
-    """Our parameter name -> (the file's key, the file holding it), checked against the shapes `config` gives."""
+    """Our parameter name -> (the file's key, the file), checked against `config`'s shapes."""
     shapes, sources = {}, {}
     try:
         for path in paths:
@@ -435,61 +420,61 @@ def tensor_sources(config, where, paths):
                     shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
     except Exception as e:  # whatever the parser says, the file is the problem: name it
         raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
-    # Hub files name their keys with or without "transformer.", hold lm_head.weight or not, and older ones hold
-    # the causal-mask buffers, which are not weights.
+    # Hub files name keys with or without "transformer.", hold lm_head.weight or not, and older
+    # ones hold the attention's causal-mask buffers, which are not weights.
     ours = {}
     for key in shapes:
         if key.endswith((".attn.bias", ".attn.masked_bias")):
             continue
-        if key.startswith(("transformer.", "lm_head.")):
-            ours[key] = key
-        else:
-            ours["transformer." + key] = key
+        name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+        ours[name] = key
     expected = _hf_shapes(config)
     problems = [f"missing tensor {name}" for name in expected if name not in ours]
-    expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight again, if stored
+    expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight, if stored
     for name, key in ours.items():
         if name not in expected:
             problems.append(f"unexpected tensor {key}")
         elif shapes[key] != expected[name]:
             problems.append(f"{key} has shape {shapes[key]}, expected {expected[name]}")
     if problems:
-        more = ""
+        listed = "; ".join(problems[:5])
         if len(problems) > 5:
-            more = f"; and {len(problems) - 5} more"
-        raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])}{more})")
+            listed += f"; and {len(problems) - 5} more"
+        raise ValueError(f"{where}: does not match its config.json ({listed})")
     return {name: (key, sources[key]) for name, key in ours.items()}
-
 
 @torch.no_grad()
 def load_hf_sharded(model, name_or_path):
-    """Fill `model`, plain or FSDP2-sharded (every rank calls), each rank reading only its rows of each tensor."""
+    """Fill `model`, plain or FSDP2 (every rank calls), each rank reading only its own rows."""
     directory, config = resolve_pretrained(name_or_path)
     differ = []
-    for field in dataclasses.asdict(config):
-        if field != "padded_vocab_size" and getattr(model.config, field) != getattr(config, field):
-            differ.append(f"{field} {getattr(model.config, field)} (file: {getattr(config, field)})")
+    for field in dataclasses.asdict(config):  # padded_vocab_size is ours to choose
+        ours, theirs = getattr(model.config, field), getattr(config, field)
+        if field != "padded_vocab_size" and ours != theirs:
+            differ.append(f"{field} {ours} (file: {theirs})")
     if differ:
-        raise ValueError(f"{directory}/config.json: the model to load into differs: {', '.join(differ)}")
+        raise ValueError(f"{directory}/config.json: the model to load into differs: "
+                         f"{', '.join(differ)}")
     where, paths = weight_files(directory)
     sources = tensor_sources(config, where, paths)
 
-    def read(name, index):  # the block `index` (a tuple of slices) of the file's tensor for our `name`
+    def read(name, index):  # the block `index` (slices) of the file's tensor for our `name`
         key, path = sources[name]
-        with safe_open(path, "pt") as f:  # opened per tensor, so its mapped pages go once it is read
+        with safe_open(path, "pt") as f:  # opened per tensor: its mapped pages go once read
             return f.get_slice(key)[index]
 
-    params = dict(model.named_parameters())  # the tied lm_head.weight is listed once, as transformer.wte.weight
-    untied = torch.zeros(1, device=next(iter(params.values())).device)  # this rank's lm_head rows differ from wte's
+    params = dict(model.named_parameters())  # the tied weight once, as transformer.wte.weight
+    untied = torch.zeros(1, device=next(iter(params.values())).device)  # lm_head's rows differ
     for name, p in params.items():
         local, index = local_block(p)
         if name.endswith(CONV1D_WEIGHTS):  # our rows of a Conv1D weight are the file's columns
             local.copy_(read(name, index[::-1]).t())
-        elif name in ("transformer.wte.weight", "lm_head.weight"):  # lm_head.weight: a copy to_empty() untied
-            vocab_rows = slice(min(index[0].start, config.vocab_size), min(index[0].stop, config.vocab_size))
-            rows = read("transformer.wte.weight", (vocab_rows, *index[1:]))
+        elif name in ("transformer.wte.weight", "lm_head.weight"):  # lm_head: to_empty()'s copy
+            stop = min(index[0].stop, config.vocab_size)
+            in_file = (slice(min(index[0].start, stop), stop), *index[1:])
+            rows = read("transformer.wte.weight", in_file)
             if "lm_head.weight" in sources:
-                untied += not torch.equal(rows, read("lm_head.weight", (vocab_rows, *index[1:])))
+                untied += not torch.equal(rows, read("lm_head.weight", in_file))
             local[:rows.size(0)].copy_(rows)
             local[rows.size(0):].zero_()  # the padded rows, past vocab_size
         else:
@@ -497,84 +482,78 @@ def load_hf_sharded(model, name_or_path):
     if any(isinstance(p, DTensor) for p in params.values()):  # so that every rank fails alike
         dist.all_reduce(untied)
     if untied.item():
-        raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied embeddings are not supported)")
-
+        raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied embeddings are "
+                         f"not supported)")
 
 def _hf_shapes(config):
     """Tensor name -> shape in a Hugging Face file (Conv1D layout, real vocabulary rows)."""
     with torch.device("meta"):
         model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
-    shapes = {}
-    for name, p in model.state_dict().items():
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    del shapes["lm_head.weight"]
+    for name in shapes:
         if name.endswith(CONV1D_WEIGHTS):
-            shapes[name] = tuple(reversed(p.shape))
-        elif name != "lm_head.weight":
-            shapes[name] = tuple(p.shape)
+            shapes[name] = shapes[name][::-1]
     return shapes
 
-
 def hf_config(cfg, dtype):
-    """transformers' config.json for GPT2LMHeadModel with our config's shapes and activation."""
-    # GPT-2's <|endoftext|>, said outright: transformers would assume it even where the vocabulary has no such id
-    endoftext = None
-    if cfg.vocab_size > 50256:
-        endoftext = 50256
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
-        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
-        "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
-        "activation_function": cfg.activation, "layer_norm_epsilon": cfg.layer_norm_eps,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "torch_dtype": str(dtype).removeprefix("torch."), "bos_token_id": endoftext, "eos_token_id": endoftext}
-
+    """transformers' config.json for a GPT2LMHeadModel of our config's shapes and activation."""
+    # GPT-2's <|endoftext|> said outright: transformers assumes it even where no such id exists
+    endoftext = 50256 if cfg.vocab_size > 50256 else None
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+            "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            "activation_function": cfg.activation, "layer_norm_epsilon": cfg.layer_norm_eps,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": endoftext,
+            "eos_token_id": endoftext, "torch_dtype": str(dtype).removeprefix("torch.")}
 
 def replaceable(directory):
-    """Whether export_hf may replace `directory`: nothing there, an empty directory, or an earlier export."""
+    """Whether export_hf may replace `directory`: nothing, an empty directory, or an export."""
     if not os.path.exists(directory):
         return True
     if not os.path.isdir(directory):
         return False
     return not os.listdir(directory) or os.path.isfile(os.path.join(directory, "config.json"))
 
-
 @torch.no_grad()
 def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
-    """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped in whole."""
+    """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped
+    in whole: a reader finds the old directory or the new one, never a half-written one."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
-    cfg = model.config
+    cfg, params, expected = model.config, dict(model.named_parameters()), _hf_shapes(model.config)
+    dtype = params["transformer.wte.weight"].dtype
     writer = not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
     new = os.path.join(parent, f".{base}.{os.getpid()}.tmp")
-    if writer:
-        if not replaceable(directory):
-            raise ValueError(f"{directory}: exists and is not a model directory; not replaced")
-        for name in os.listdir(parent) if os.path.isdir(parent) else []:  # what a killed export left
+    if writer and not replaceable(directory):
+        raise ValueError(f"{directory}: exists and is not a model directory; not replaced")
+    if writer and os.path.isdir(parent):
+        for name in os.listdir(parent):  # what a killed export left behind
             if re.fullmatch(rf"\.{re.escape(base)}\.\d+\.(tmp|old)", name):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-    params, expected = dict(model.named_parameters()), _hf_shapes(cfg)
-    dtype = params["transformer.wte.weight"].dtype
 
-    def file_tensor(name):  # every rank gathers (one tensor at a time); the writer keeps it
+    def file_tensor(name):  # every rank gathers, one tensor at a time; the writer keeps it
         if name not in params:  # a model without biases computes what one with zero biases does
             return torch.zeros(expected[name], dtype=dtype)
         tensor = params[name]
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
-        if name == "transformer.wte.weight":
-            tensor = tensor[:cfg.vocab_size]
         if not writer:
             return None
+        if name == "transformer.wte.weight":
+            tensor = tensor[:cfg.vocab_size]
         if name.endswith(CONV1D_WEIGHTS):
             tensor = tensor.t()
         return tensor.cpu().contiguous()
 
-    # transformers' own sharding: tensors in state-dict order, a new file when the next would pass max_shard_size
+    # transformers' own sharding: in order, a new file when the next tensor would not fit
     split = huggingface_hub.split_torch_state_dict_into_shards(
         {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in expected.items()},
         max_shard_size=max_shard_size)
     files = {"config.json": hf_config(cfg, dtype)}
     if split.is_sharded:
-        files["model.safetensors.index.json"] = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        files["model.safetensors.index.json"] = {"metadata": split.metadata,
+                                                 "weight_map": split.tensor_to_filename}
     try:
         if writer:
             os.makedirs(new, exist_ok=True)
@@ -595,20 +574,23 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
         swap_in(new, directory)
     except BaseException as e:
         shutil.rmtree(new, ignore_errors=True)  # frees the space at once
-        if isinstance(e, SafetensorError) or getattr(e, "strerror", None):  # a full disk, a read-only directory
-            raise OSError(f"cannot write {directory}: {error_reason(e)}") from None
+        # a full disk or a read-only directory is one line naming the directory, not a traceback
+        if isinstance(e, SafetensorError):
+            raise OSError(f"cannot write {directory}: {str(e).strip()}") from None
+        if isinstance(e, OSError) and e.strerror:
+            raise OSError(f"cannot write {directory}: {e.strerror}") from None
         raise  # extra_files' own one-line errors among them
 
-
 def swap_in(new, directory):
-    """Put directory `new` in the place of `directory`, so that a reader finds the old or the new one whole."""
+    """Put directory `new` in the place of `directory`: a reader finds one or the other whole."""
     parent, base = os.path.split(os.path.abspath(directory))
-    # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); elsewhere the old one is first renamed aside
+    # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); elsewhere the old one moves aside
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     exchanged = False
     if os.path.exists(directory) and renameat2 is not None:
         AT_FDCWD, RENAME_EXCHANGE = -100, 2
-        exchanged = renameat2(AT_FDCWD, os.fsencode(new), AT_FDCWD, os.fsencode(directory), RENAME_EXCHANGE) == 0
+        paths = os.fsencode(new), os.fsencode(directory)
+        exchanged = renameat2(AT_FDCWD, paths[0], AT_FDCWD, paths[1], RENAME_EXCHANGE) == 0
     old = new  # after an exchange the old directory is where the new one was
     if not exchanged:
         old = os.path.join(parent, f".{base}.{os.getpid()}.old")
@@ -618,18 +600,6 @@ def swap_in(new, directory):
     _fsync(parent)
     shutil.rmtree(old, ignore_errors=True)
 
-
-def error_reason(e):
-    """The one line of an OSError or a safetensors error that says what went wrong (atomic_io.error_reason's rule;
-    model.py imports no project file)."""
-    if getattr(e, "strerror", None):
-        return e.strerror
-    lines = str(e).strip().splitlines()
-    if lines:
-        return lines[-1]
-    return type(e).__name__
-
-
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)  # a file or a directory
     try:
@@ -637,37 +607,31 @@ def _fsync(path):
     finally:
         os.close(fd)
 
+# ---------------------------------------------------------------------- train_gpt2.py's checkpoints
 
-# ----------------------------------------------------------------------------- train_gpt2.py's checkpoints, read
-
-# A checkpoint, out_dir/ckpt/step_NNNNNNNN/ (DCP files, train_state.json, rng.pt), is complete once train_gpt2.py
-# has written MARKER, which it writes last.
+# A checkpoint, out_dir/ckpt/step_NNNNNNNN/ (DCP files, train_state.json, rng.pt), is complete once
+# train_gpt2.py has written MARKER, which it writes last.
 MARKER = "complete.json"
 
-# A checkpoint saved or loaded without a process group is meant to be: one process trains, or reads, it whole.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
+# A checkpoint saved or loaded without a process group is meant to be: one process uses it whole.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 def complete_checkpoints(ckpt_root):
     """Paths of the complete checkpoints under ckpt_root, oldest first."""
     if not os.path.isdir(ckpt_root):
         return []
-    found = []
-    for name in os.listdir(ckpt_root):
-        if re.fullmatch(r"step_\d{8}", name) and os.path.isfile(os.path.join(ckpt_root, name, MARKER)):
-            found.append(os.path.join(ckpt_root, name))
-    return sorted(found)
-
+    names = [name for name in os.listdir(ckpt_root) if re.fullmatch(r"step_\d{8}", name)]
+    paths = [os.path.join(ckpt_root, name) for name in names]
+    return sorted(path for path in paths if os.path.isfile(os.path.join(path, MARKER)))
 
 def read_train_state(ckpt_path):
     return json.loads(pathlib.Path(ckpt_path, "train_state.json").read_text(encoding="utf-8"))
 
-
 def check_checkpoint(path):
-    """None if each file of checkpoint `path` has its written size and train_state.json reads, else why not."""
+    """None if each file of checkpoint `path` has its written size and its state reads; else why."""
     name = os.path.join(path, MARKER)
     try:
-        # MARKER lists every file's size as written, the model and optimizer shards included
+        # MARKER lists every file's size as written, the model and optimizer shards among them
         for file, size in json.loads(pathlib.Path(name).read_text())["sizes"].items():
             name = os.path.join(path, file)
             actual = os.path.getsize(name)
@@ -684,19 +648,17 @@ def check_checkpoint(path):
     except Exception as e:  # any way a file can be unreadable: missing, empty, not JSON
         return f"{name}: {type(e).__name__}: {e}"
 
-
 def set_aside(path, why):
-    """Rename a checkpoint that must not be used to PATH.WHY-TIME, kept for inspection; return the new name."""
+    """Rename a checkpoint not to be used to PATH.WHY-TIME, kept for inspection; the new name."""
     new = f"{path}.{why}-{time.strftime('%Y%m%d-%H%M%S')}"
     while os.path.exists(new):
         new += "x"
     os.rename(path, new)
     return new
 
-
 def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
-    """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or None; messages
-    naming those skipped). Damaged ones are renamed aside, never deleted, or with read_only left in place."""
+    """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or
+    None; messages naming those skipped). Damaged ones are renamed aside, or with read_only left."""
     messages, damaged = [], []
     while found := [path for path in complete_checkpoints(ckpt_root) if path not in damaged]:
         newest = found[-1]
@@ -709,39 +671,36 @@ def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
                 problem = f"{type(e).__name__}: {first_line}"
         if problem is None:
             return newest, messages
-        # A live run may have deleted the checkpoint or written a newer one while we read: then look again from
-        # the newest, and only call a checkpoint damaged when the list did not change under us.
+        # A live run may delete checkpoints or write a newer one while we read: a checkpoint is
+        # called damaged only if the list did not change meanwhile; else look again from the newest.
         if [path for path in complete_checkpoints(ckpt_root) if path not in damaged] == found:
             damaged.append(newest)
-            if read_only:
-                kept = "left in place"
-            else:
-                kept = f"kept as {set_aside(newest, 'damaged')}"
+            kept = "left in place" if read_only else f"kept as {set_aside(newest, 'damaged')}"
             messages.append(f"skipping damaged checkpoint {newest}: {problem}; {kept}")
     return None, messages
 
-
 def is_run_or_checkpoint(path):
-    """Whether `path` is what train_gpt2.py writes: an out_dir (with ckpt/) or one checkpoint directory."""
-    return os.path.isdir(os.path.join(path, "ckpt")) or os.path.isfile(os.path.join(path, "train_state.json"))
-
+    """Whether `path` is what train_gpt2.py writes: an out_dir (with ckpt/) or one checkpoint."""
+    return (os.path.isdir(os.path.join(path, "ckpt"))
+            or os.path.isfile(os.path.join(path, "train_state.json")))
 
 def resolve_checkpoint(path, load=None):
-    """A checkpoint directory as named, or a run's newest usable one, read-only (what it skips goes to stderr)."""
+    """A checkpoint as named, or a run's newest usable one, read-only (skips go to stderr)."""
     if os.path.isfile(os.path.join(path, "train_state.json")):
         if load is not None:
             load(path)
         return path
-    found, messages = newest_usable_checkpoint(os.path.join(path, "ckpt"), read_only=True, load=load)
+    ckpt_root = os.path.join(path, "ckpt")
+    found, messages = newest_usable_checkpoint(ckpt_root, read_only=True, load=load)
     for message in messages:
         print(message, file=sys.stderr)
     if found is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint nor a run with a usable checkpoint under ckpt/")
+        raise FileNotFoundError(f"{path}: neither a checkpoint nor a run with a usable checkpoint "
+                                f"under ckpt/")
     return found
 
-
 def load_weights(ckpt_path, model):
-    """A checkpoint's model weights into `model` (plain or FSDP2); NaN or inf raise ValueError on every rank."""
+    """A checkpoint's weights into `model` (plain or FSDP2); NaN or inf raise on every rank."""
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=ckpt_path)
     set_model_state_dict(model, state["model"])
@@ -753,9 +712,8 @@ def load_weights(ckpt_path, model):
     if bad:
         raise ValueError(f"{ckpt_path}: the weights hold NaN or inf ({', '.join(bad[:3])})")
 
-
 def load_model(name_or_path):
-    """A GPT in fp32 on the CPU from a hub id, an HF GPT-2 directory, or a train_gpt2.py run or checkpoint."""
+    """A GPT in fp32 on the CPU from a hub id, an HF directory, or a run or checkpoint."""
     if not is_run_or_checkpoint(name_or_path):
         return from_pretrained(name_or_path)
     models = {}
