@@ -233,6 +233,7 @@ def test_an_activation_from_the_table_exports_loads_in_transformers_and_back(tmp
         GPTConfig(activation="swiglu")
 
 
+@pytest.mark.slow
 def test_export_of_a_compiled_model_has_the_plain_names(tmp_path):
     """torch.compile(model) prefixes its parameters with _orig_mod.; the export is the plain model's."""
     trained = randomize(GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32,
@@ -378,6 +379,7 @@ def fake_hub_repo(cache, repo_id, files):
         (snapshot / name).write_bytes(source.read_bytes())
 
 
+@pytest.mark.slow
 def test_hub_id_from_offline_cache(tmp_path, tiny_hf_dir):
     path, hf = tiny_hf_dir
     fake_hub_repo(tmp_path / "cache", "someorg/tiny-gpt2",
@@ -574,6 +576,7 @@ def test_forward_rejects_sequences_longer_than_block_size(tiny_hf_dir):
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(tiny_hf_dir):
     path, hf = tiny_hf_dir
     model = from_pretrained(str(path)).eval()
@@ -584,6 +587,7 @@ def test_greedy_generation_matches_transformers(tiny_hf_dir):
     assert torch.equal(model.generate(prompt, 12, top_k=1), expected)
 
 
+@pytest.mark.slow
 def test_generation_crops_the_context_and_samples_from_the_top_k():
     torch.manual_seed(0)
     model = randomize(GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=16))).eval()
@@ -799,6 +803,7 @@ def test_bf16_autocast_runs_bf16_matmuls_and_fp32_loss():
         assert (bf16_grads[name] - grad).abs().max().item() <= 0.05 * grad.abs().max().item() + 1e-6, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
 def test_compiles_without_graph_breaks(checkpointing):
     torch._dynamo.reset()
@@ -827,6 +832,7 @@ class CountingBackend:
         return graph_module.forward
 
 
+@pytest.mark.slow
 def test_compiled_head_equals_eager_with_no_graph_break(monkeypatch):
     """compile_loss=True: loss and every gradient equal the eager head's (fp32 to 1e-5) and F.cross_entropy's; the
     chunk body compiles to one graph per chunk shape (here 40 rows and the last 16), nothing falls back to eager."""
@@ -849,6 +855,7 @@ def test_compiled_head_equals_eager_with_no_graph_break(monkeypatch):
     assert torch.equal(grads["transformer.wte.weight"][100:], torch.zeros(28, 32))
 
 
+@pytest.mark.slow
 def test_compiled_head_with_inductor_equals_eager_fp32_and_bf16():
     """The real compiler (Inductor's C++ backend on CPU): fp32 to 1e-5; under bf16 autocast within bf16's rounding."""
     torch._dynamo.reset()
@@ -876,7 +883,8 @@ def z_loss_chunk(logits, targets):
     return F.cross_entropy(logits, targets, reduction="sum") + 1e-4 * (z.square() * scored).sum()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
 def test_an_edited_chunk_loss_trains_through_the_chunked_head(monkeypatch, compiled):
     """An edit to chunk_loss alone (here a z-loss) gives, through the chunked head, the loss and gradients that plain
     autograd gives over the full logits: no hand-written gradient to keep in step."""
@@ -898,6 +906,7 @@ def test_an_edited_chunk_loss_trains_through_the_chunked_head(monkeypatch, compi
         assert_close(grads[name], p.grad, TOL)
 
 
+@pytest.mark.slow
 def test_whole_model_compile_gives_the_eager_loss_and_gradients():
     """torch.compile(model) traces the blocks and runs the loss head as it runs outside compile."""
     torch._dynamo.reset()
@@ -973,6 +982,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert "activation_checkpointing" not in model.state_dict() and model.config == GPTConfig(**SMALL)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_with_compiled_blocks():
     torch._dynamo.reset()
     model = random_model(n_layer=1)
@@ -1062,6 +1072,7 @@ def test_a_checkpoint_deleted_while_it_is_read_sends_the_reader_to_the_newer_one
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_sample_cli_with_a_damaged_newest_checkpoint(tmp_path):
     run = tmp_path / "run"
     write_checkpoint(run, 10, gpt2_vocab_model(1))
