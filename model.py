@@ -614,7 +614,8 @@ def _fsync(path):
 MARKER = "complete.json"
 
 # A checkpoint saved or loaded without a process group is meant to be: one process uses it whole.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 def complete_checkpoints(ckpt_root):
     """Paths of the complete checkpoints under ckpt_root, oldest first."""
