@@ -217,6 +217,23 @@ def test_export_loads_in_transformers_and_is_byte_stable(tmp_path, variant):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
+def test_an_activation_from_the_table_exports_loads_in_transformers_and_back(tmp_path):
+    """GPTConfig(activation="relu2") trains a squared-ReLU MLP; its export says so in config.json, so transformers
+    computes the same logits, and our loader reads the export back (as a checkpoint's saved config does)."""
+    config = GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32, activation="relu2")
+    ours = randomize(GPT(config)).eval()
+    export_hf(ours, str(tmp_path / "relu2"))
+    assert json.loads((tmp_path / "relu2" / "config.json").read_text())["activation_function"] == "relu2"
+    assert_matches_hf(ours, GPT2LMHeadModel.from_pretrained(tmp_path / "relu2").eval())
+    loaded = from_pretrained(str(tmp_path / "relu2"))
+    assert loaded.config == config
+    assert_matches_hf(loaded.eval(), GPT2LMHeadModel.from_pretrained(tmp_path / "relu2").eval())
+    assert GPTConfig(**dataclasses.asdict(config)) == config  # what a checkpoint's train_state.json holds
+    with pytest.raises(ValueError, match=r"^unknown activation 'swiglu'; choose one of gelu_new, .*relu2"):
+        GPTConfig(activation="swiglu")
+
+
+@pytest.mark.slow
 def test_export_of_a_compiled_model_has_the_plain_names(tmp_path):
     """torch.compile(model) prefixes its parameters with _orig_mod.; the export is the plain model's."""
     trained = randomize(GPT(GPTConfig(block_size=32, vocab_size=100, n_layer=2, n_head=2, n_embd=32,
@@ -362,6 +379,7 @@ def fake_hub_repo(cache, repo_id, files):
         (snapshot / name).write_bytes(source.read_bytes())
 
 
+@pytest.mark.slow
 def test_hub_id_from_offline_cache(tmp_path, tiny_hf_dir):
     path, hf = tiny_hf_dir
     fake_hub_repo(tmp_path / "cache", "someorg/tiny-gpt2",
@@ -446,8 +464,8 @@ def broken_copy(tmp_path, source, edit_config=None, edit_tensors=None, drop=()):
     (dict(drop=("config.json",)), FileNotFoundError, r"config\.json: missing"),
     (dict(edit_config=lambda c: c.update(model_type="llama", architectures=["LlamaForCausalLM"])),
      ValueError, r"config\.json: not a GPT-2 config \(model_type 'llama'\)"),
-    (dict(edit_config=lambda c: c.update(activation_function="relu")),
-     ValueError, r"config\.json: unsupported GPT-2 variant: activation_function 'relu', not 'gelu_new' or "),
+    (dict(edit_config=lambda c: c.update(activation_function="mish")),
+     ValueError, r"config\.json: unsupported activation_function 'mish'; model\.ACTIVATIONS has gelu_new, "),
     (dict(edit_config=lambda c: c.update(n_inner=100)),
      ValueError, r"config\.json: unsupported GPT-2 variant: n_inner 100, not None or 128"),
     (dict(edit_config=lambda c: c.update(scale_attn_by_inverse_layer_idx=True)),
@@ -468,7 +486,7 @@ def broken_copy(tmp_path, source, edit_config=None, edit_tensors=None, drop=()):
      ValueError, r"model\.safetensors: .*unexpected tensor transformer\.h\.2\.ln_1\.weight"),
     (dict(edit_tensors=lambda t: t.update({"lm_head.weight": torch.zeros(100, 32)})),
      ValueError, r"model\.safetensors: .*lm_head\.weight differs from wte\.weight"),
-], ids=["no-weights", "no-config", "llama", "relu", "n_inner", "attn-scaling", "heads", "vocab", "wpe", "untransposed",
+], ids=["no-weights", "no-config", "llama", "mish", "n_inner", "attn-scaling", "heads", "vocab", "wpe", "untransposed",
         "missing", "unexpected", "untied"])
 def test_bad_model_directory_gives_one_clear_error(tmp_path, tiny_hf_dir, case, error, message):
     path = broken_copy(tmp_path, tiny_hf_dir[0], **case)
@@ -558,6 +576,7 @@ def test_forward_rejects_sequences_longer_than_block_size(tiny_hf_dir):
         model(torch.zeros(1, 65, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(tiny_hf_dir):
     path, hf = tiny_hf_dir
     model = from_pretrained(str(path)).eval()
@@ -568,6 +587,7 @@ def test_greedy_generation_matches_transformers(tiny_hf_dir):
     assert torch.equal(model.generate(prompt, 12, top_k=1), expected)
 
 
+@pytest.mark.slow
 def test_generation_crops_the_context_and_samples_from_the_top_k():
     torch.manual_seed(0)
     model = randomize(GPT(GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=16))).eval()
@@ -783,6 +803,7 @@ def test_bf16_autocast_runs_bf16_matmuls_and_fp32_loss():
         assert (bf16_grads[name] - grad).abs().max().item() <= 0.05 * grad.abs().max().item() + 1e-6, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
 def test_compiles_without_graph_breaks(checkpointing):
     torch._dynamo.reset()
@@ -794,11 +815,9 @@ def test_compiles_without_graph_breaks(checkpointing):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch._dynamo.explain(model)(idx, targets).graph_break_count == 0
     x, weight = torch.randn(50, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True)
-    explained = torch._dynamo.explain(chunked_cross_entropy)(x, weight[:60], torch.randint(0, 60, (50,)), 16)
-    assert explained.graph_break_count == 0
-    # the per-chunk work that compile_loss compiles, with its gradients: one graph
-    chunk = (x.detach() @ weight.detach().t(), torch.randint(0, 60, (50,)), 60, torch.tensor(50), True)
-    explained = torch._dynamo.explain(model_module._chunk_loss)(*chunk)
+    # the per-chunk loss that compile_loss compiles, called as the head calls it (logits that need a gradient)
+    logits = (x @ weight.t()).detach().requires_grad_(True)
+    explained = torch._dynamo.explain(model_module._real_vocab_chunk_loss)(logits, torch.randint(0, 60, (50,)), 60)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
@@ -813,14 +832,15 @@ class CountingBackend:
         return graph_module.forward
 
 
+@pytest.mark.slow
 def test_compiled_head_equals_eager_with_no_graph_break(monkeypatch):
     """compile_loss=True: loss and every gradient equal the eager head's (fp32 to 1e-5) and F.cross_entropy's; the
     chunk body compiles to one graph per chunk shape (here 40 rows and the last 16), nothing falls back to eager."""
     torch._dynamo.reset()
     monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 40)
     backend = CountingBackend()
-    monkeypatch.setattr(model_module, "_compiled_chunk_loss", lambda: torch.compile(model_module._chunk_loss,
-                                                                                    backend=backend))
+    compiled = torch.compile(model_module._real_vocab_chunk_loss, backend=backend)
+    monkeypatch.setattr(model_module, "_compiled_chunk_loss", lambda: compiled)
     model = random_model()
     idx, targets = tokens()
     eager_loss, eager_grads = loss_and_grads(model, idx, targets)
@@ -835,6 +855,7 @@ def test_compiled_head_equals_eager_with_no_graph_break(monkeypatch):
     assert torch.equal(grads["transformer.wte.weight"][100:], torch.zeros(28, 32))
 
 
+@pytest.mark.slow
 def test_compiled_head_with_inductor_equals_eager_fp32_and_bf16():
     """The real compiler (Inductor's C++ backend on CPU): fp32 to 1e-5; under bf16 autocast within bf16's rounding."""
     torch._dynamo.reset()
@@ -852,6 +873,50 @@ def test_compiled_head_with_inductor_equals_eager_fp32_and_bf16():
         bf16, eager_bf16 = results[True, "bf16"][1][name], results[False, "bf16"][1][name]
         assert (bf16 - eager_bf16).abs().max().item() <= 0.02 * eager_bf16.abs().max().item() + 1e-6, name
     assert abs(results[True, "bf16"][0].item() / results[False, "bf16"][0].item() - 1) < 0.01
+
+
+def z_loss_chunk(logits, targets):
+    """chunk_loss with a z-loss term (PaLM's), as a researcher would write it: 1e-4 * logsumexp^2 per scored row."""
+    logits = logits.float()
+    z = torch.logsumexp(logits, dim=-1)
+    scored = targets != -100
+    return F.cross_entropy(logits, targets, reduction="sum") + 1e-4 * (z.square() * scored).sum()
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled"])
+def test_an_edited_chunk_loss_trains_through_the_chunked_head(monkeypatch, compiled):
+    """An edit to chunk_loss alone (here a z-loss) gives, through the chunked head, the loss and gradients that plain
+    autograd gives over the full logits: no hand-written gradient to keep in step."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(model_module, "chunk_loss", z_loss_chunk)
+    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 40)  # 96 rows: 3 chunks, the last one 16 rows
+    model = random_model()
+    model.compile_loss = compiled
+    idx, targets = tokens()
+    loss, grads = loss_and_grads(model, idx, targets)
+    model.zero_grad(set_to_none=True)
+    logits, _ = model(idx)
+    expected = z_loss_chunk(logits.flatten(0, 1), targets.flatten()) / (targets != -100).sum()
+    expected.backward()
+    plain = F.cross_entropy(logits.detach().float().flatten(0, 1), targets.flatten())
+    assert loss.item() > plain.item() + 1e-4  # the z-loss term is in
+    assert abs(loss.item() - expected.item()) < TOL
+    for name, p in model.named_parameters():
+        assert_close(grads[name], p.grad, TOL)
+
+
+@pytest.mark.slow
+def test_whole_model_compile_gives_the_eager_loss_and_gradients():
+    """torch.compile(model) traces the blocks and runs the loss head as it runs outside compile."""
+    torch._dynamo.reset()
+    model = random_model()
+    idx, targets = tokens()
+    eager_loss, eager_grads = loss_and_grads(model, idx, targets)
+    loss, grads = loss_and_grads(torch.compile(model, backend=CountingBackend()), idx, targets)
+    assert abs(loss.item() - eager_loss.item()) < TOL
+    for name, grad in eager_grads.items():
+        assert_close(grads["_orig_mod." + name], grad, TOL)
 
 
 def test_a_runs_ckpt_directory_given_as_a_model_says_what_works(tmp_path):
@@ -917,6 +982,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     assert "activation_checkpointing" not in model.state_dict() and model.config == GPTConfig(**SMALL)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_with_compiled_blocks():
     torch._dynamo.reset()
     model = random_model(n_layer=1)
@@ -1006,6 +1072,7 @@ def test_a_checkpoint_deleted_while_it_is_read_sends_the_reader_to_the_newer_one
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_sample_cli_with_a_damaged_newest_checkpoint(tmp_path):
     run = tmp_path / "run"
     write_checkpoint(run, 10, gpt2_vocab_model(1))

@@ -81,6 +81,7 @@ def launches(tmp_path_factory):
             launch.kill()
 
 
+@pytest.mark.slow  # torchrun launches
 def test_sharded_load_equals_the_full_load_and_transformers(launches):
     root, hf, found = launches
     loads = [r for r in found["checks"] if r.get("check") == "load"]
@@ -95,10 +96,12 @@ def init_results(ranks):
     return [dict(check="init", vocab=vocab, ranks=ranks, equal=True) for vocab in (50257, 30)]
 
 
+@pytest.mark.slow  # torchrun launches
 def test_init_on_two_ranks_is_init_weights_after_manual_seed(launches):
     assert [r for r in launches[2]["checks"] if r.get("check") == "init"] == init_results(2)
 
 
+@pytest.mark.slow  # torchrun launches
 def test_init_on_one_rank_is_the_same(launches):
     assert launches[2]["init"] == init_results(1)
 
@@ -120,6 +123,7 @@ def test_init_sharded_on_a_plain_model_leaves_the_global_rng_alone():
     assert all(torch.equal(model.state_dict()[k], reference[k]) for k in reference)
 
 
+@pytest.mark.slow  # torchrun launches
 def test_export_loads_in_transformers_single_and_sharded(launches):
     root, hf, found = launches
     out = root / "out"
@@ -145,6 +149,7 @@ def test_export_loads_in_transformers_single_and_sharded(launches):
         assert (from_pretrained(str(out / "shards")).eval()(tokens)[0] - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow  # torchrun launches
 def test_errors_reach_every_rank_alike(launches):
     errors = {r["case"]: r["messages"] for r in launches[2]["checks"] if r.get("check") == "error"}
     for case, expected in (("untied", "lm_head.weight differs from wte.weight"),
@@ -152,6 +157,7 @@ def test_errors_reach_every_rank_alike(launches):
         assert len(set(errors[case])) == 1 and expected in errors[case][0] and case in errors[case][0], errors
 
 
+@pytest.mark.slow  # torchrun launches
 def test_sharded_load_peak_memory_is_well_under_rank0s(launches):
     """Per-rank peak resident memory of the load (above the materialised shards), each way in a fresh launch."""
     (sharded,), (rank0,) = launches[2]["sharded"], launches[2]["rank0"]
