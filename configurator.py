@@ -173,6 +173,7 @@ AUTOMODEL_KEYS = {
     # AutoConfig.from_pretrained(name, **these) sizes the model.
     "model.config.n_layer": "n_layer", "model.config.n_head": "n_head",
     "model.config.n_embd": "n_embd", "model.config.vocab_size": "vocab_size",
+    "model.config.activation_function": "activation",
 }
 # Keys that change nothing here whatever their value: where files go, logging, the tokenizer of
 # the same token files, the checkpoint format. A name ending in "." covers a whole section.
@@ -216,7 +217,6 @@ AUTOMODEL_VALUES = {
     "optimizer.master_weight_dtype": FP32, "optimizer.exp_avg_dtype": FP32,
     "optimizer.exp_avg_sq_dtype": FP32,
     # GPT2Config values the model here has (no dropout: nanoGPT and llm.c pretrain without it).
-    "model.config.activation_function": ["gelu_new", "gelu_pytorch_tanh"],
     "model.config.n_inner": [None], "model.config.layer_norm_epsilon": [1e-5],
     "model.config.initializer_range": [0.02], "model.config.tie_word_embeddings": [True],
     "model.config.scale_attn_weights": [True], "model.config.resid_pdrop": [0, 0.0],

@@ -39,6 +39,7 @@ ACTIVATIONS = {
     "silu": F.silu,
 }
 
+
 @dataclasses.dataclass
 class GPTConfig:
     block_size: int = 1024
@@ -62,6 +63,7 @@ class GPTConfig:
             raise ValueError(f"unknown activation {self.activation!r}; "
                              f"choose one of {', '.join(ACTIVATIONS)}")
 
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -83,6 +85,7 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # the heads side by side again
         return self.c_proj(y)
 
+
 class MLP(nn.Module):
 
     def __init__(self, config):
@@ -93,6 +96,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.c_proj(self.activation(self.c_fc(x)))
+
 
 class Block(nn.Module):
 
@@ -107,7 +111,9 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+
 # ----------------------------------------------------------------------------- the loss head
+
 
 def chunk_loss(logits, targets):
     """The summed loss of one chunk of rows: logits (rows, vocab_size) in the matmul's dtype,
@@ -115,11 +121,13 @@ def chunk_loss(logits, targets):
     z-loss, a soft cap on the logits): the head differentiates it with autograd, nothing else."""
     return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
 
+
 def _real_vocab_chunk_loss(logits, targets, vocab_size):
     # The head's matmul runs over the padded weight, whose aligned shape is faster. Slicing off the
     # padded columns keeps them out of the softmax whatever chunk_loss does. chunk_loss is looked up
     # at each call (torch.compile guards on it), so an edited one is the one that runs.
     return chunk_loss(logits[:, :vocab_size], targets)
+
 
 @functools.cache
 def _compiled_chunk_loss():
@@ -132,21 +140,6 @@ def _compiled_chunk_loss():
 # chunks under glibc's 32 MiB mmap threshold are reused from the heap, not faulted in afresh.
 LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=128)
 
-def loss_head_bytes(rows, vocab_rows, n_embd, act_bytes, compiled):
-    """The most memory the loss head holds at once beyond its inputs and x's gradient, for chunks of
-    `rows` rows over a weight of `vocab_rows` rows, in a compute dtype of `act_bytes` bytes. The
-    per-chunk terms were measured on the CPU; eagerly in 16 bits they are an upper bound."""
-    chunk = rows * vocab_rows
-    held = 4 * vocab_rows * n_embd  # the fp32 weight gradient, summed chunk by chunk
-    if act_bytes < 4:
-        # the weight cast once to 16 bits, and each chunk's weight gradient before it is summed
-        held += 2 * act_bytes * vocab_rows * n_embd
-    held += act_bytes * chunk  # one chunk's logits
-    if compiled:
-        held += 8 * chunk  # the compiled loss's fp32 buffers and its gradient
-    else:
-        held += 16 * chunk  # cross_entropy's fp32 log-softmax, and its backward's fp32 gradients
-    return held
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The mean of chunk_loss over x @ weight.T, one chunk of rows at a time. The forward also takes
@@ -204,7 +197,9 @@ def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, 
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_size, compiled,
                                            with_grads)
 
+
 # ----------------------------------------------------------------------------- the model
+
 
 class GPT(nn.Module):
 
@@ -303,6 +298,7 @@ class GPT(nn.Module):
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
 
+
 @torch.no_grad()
 def init_sharded(model, seed):
     """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT."""
@@ -320,6 +316,7 @@ def init_sharded(model, seed):
         torch.default_generator.manual_seed(seed)
         model.init_weights(named_parameters())
 
+
 def local_block(param):
     """(the tensor this rank holds, its block of the full parameter as a tuple of slices)."""
     if not isinstance(param, DTensor):
@@ -328,16 +325,20 @@ def local_block(param):
                                                           param.placements)
     return param.to_local(), tuple(slice(start, start + n) for start, n in zip(offset, shape))
 
+
 # ------------------------------------------------------------------------- Hugging Face GPT-2 files
+
 
 # Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 
+
 # config.json's keys and the GPTConfig fields they set; n_positions comes after n_ctx, so it wins
 HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size",
                       n_layer="n_layer", n_head="n_head", n_embd="n_embd",
                       layer_norm_epsilon="layer_norm_eps", activation_function="activation")
+
 
 def from_pretrained(name_or_path, padded_vocab_size=None):
     """A GPT-2 in fp32 on the CPU from a hub id ("gpt2") or a Hugging Face directory."""
@@ -348,6 +349,7 @@ def from_pretrained(name_or_path, padded_vocab_size=None):
     model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two of the tied one
     load_hf_sharded(model, directory)
     return model
+
 
 def resolve_pretrained(name_or_path):
     """(local directory, GPTConfig) of a Hugging Face directory or hub id; reads no weights."""
@@ -375,6 +377,7 @@ def resolve_pretrained(name_or_path):
     except ValueError as e:  # what is wrong with the config, prefixed by its path
         raise ValueError(f"{path}: {e}") from e
 
+
 def config_from_hf(hf):
     """The GPTConfig of a config.json's contents; ValueError for a variant we do not compute."""
     if not isinstance(hf, dict):
@@ -394,6 +397,7 @@ def config_from_hf(hf):
                              f"not {' or '.join(map(repr, ok))}")
     return GPTConfig(**{field: hf[key] for key, field in HF_CONFIG_KEYS.items() if key in hf})
 
+
 def weight_files(directory):
     """(a name for messages, the safetensors files) of a Hugging Face directory, sharded or not."""
     where = os.path.join(directory, "model.safetensors")
@@ -409,6 +413,7 @@ def weight_files(directory):
         raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; "
                          f"{e!r})") from e
     return f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
+
 
 def tensor_sources(config, where, paths):
     """Our parameter name -> (the file's key, the file), checked against `config`'s shapes."""
@@ -442,6 +447,7 @@ def tensor_sources(config, where, paths):
             listed += f"; and {len(problems) - 5} more"
         raise ValueError(f"{where}: does not match its config.json ({listed})")
     return {name: (key, sources[key]) for name, key in ours.items()}
+
 
 @torch.no_grad()
 def load_hf_sharded(model, name_or_path):
@@ -485,6 +491,7 @@ def load_hf_sharded(model, name_or_path):
         raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied embeddings are "
                          f"not supported)")
 
+
 def _hf_shapes(config):
     """Tensor name -> shape in a Hugging Face file (Conv1D layout, real vocabulary rows)."""
     with torch.device("meta"):
@@ -495,6 +502,7 @@ def _hf_shapes(config):
         if name.endswith(CONV1D_WEIGHTS):
             shapes[name] = shapes[name][::-1]
     return shapes
+
 
 def hf_config(cfg, dtype):
     """transformers' config.json for a GPT2LMHeadModel of our config's shapes and activation."""
@@ -507,6 +515,7 @@ def hf_config(cfg, dtype):
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": endoftext,
             "eos_token_id": endoftext, "torch_dtype": str(dtype).removeprefix("torch.")}
 
+
 def replaceable(directory):
     """Whether export_hf may replace `directory`: nothing, an empty directory, or an export."""
     if not os.path.exists(directory):
@@ -514,6 +523,7 @@ def replaceable(directory):
     if not os.path.isdir(directory):
         return False
     return not os.listdir(directory) or os.path.isfile(os.path.join(directory, "config.json"))
+
 
 @torch.no_grad()
 def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
@@ -581,6 +591,7 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
             raise OSError(f"cannot write {directory}: {e.strerror}") from None
         raise  # extra_files' own one-line errors among them
 
+
 def swap_in(new, directory):
     """Put directory `new` in the place of `directory`: a reader finds one or the other whole."""
     parent, base = os.path.split(os.path.abspath(directory))
@@ -600,12 +611,14 @@ def swap_in(new, directory):
     _fsync(parent)
     shutil.rmtree(old, ignore_errors=True)
 
+
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)  # a file or a directory
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
 
 # ---------------------------------------------------------------------- train_gpt2.py's checkpoints
 
@@ -617,6 +630,7 @@ MARKER = "complete.json"
 warnings.filterwarnings("ignore",
                         message="torch.distributed is disabled, unavailable or uninitialized")
 
+
 def complete_checkpoints(ckpt_root):
     """Paths of the complete checkpoints under ckpt_root, oldest first."""
     if not os.path.isdir(ckpt_root):
@@ -625,8 +639,10 @@ def complete_checkpoints(ckpt_root):
     paths = [os.path.join(ckpt_root, name) for name in names]
     return sorted(path for path in paths if os.path.isfile(os.path.join(path, MARKER)))
 
+
 def read_train_state(ckpt_path):
     return json.loads(pathlib.Path(ckpt_path, "train_state.json").read_text(encoding="utf-8"))
+
 
 def check_checkpoint(path):
     """None if each file of checkpoint `path` has its written size and its state reads; else why."""
@@ -649,6 +665,7 @@ def check_checkpoint(path):
     except Exception as e:  # any way a file can be unreadable: missing, empty, not JSON
         return f"{name}: {type(e).__name__}: {e}"
 
+
 def set_aside(path, why):
     """Rename a checkpoint not to be used to PATH.WHY-TIME, kept for inspection; the new name."""
     new = f"{path}.{why}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -656,6 +673,7 @@ def set_aside(path, why):
         new += "x"
     os.rename(path, new)
     return new
+
 
 def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
     """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or
@@ -680,10 +698,12 @@ def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
             messages.append(f"skipping damaged checkpoint {newest}: {problem}; {kept}")
     return None, messages
 
+
 def is_run_or_checkpoint(path):
     """Whether `path` is what train_gpt2.py writes: an out_dir (with ckpt/) or one checkpoint."""
     return (os.path.isdir(os.path.join(path, "ckpt"))
             or os.path.isfile(os.path.join(path, "train_state.json")))
+
 
 def resolve_checkpoint(path, load=None):
     """A checkpoint as named, or a run's newest usable one, read-only (skips go to stderr)."""
@@ -700,6 +720,7 @@ def resolve_checkpoint(path, load=None):
                                 f"under ckpt/")
     return found
 
+
 def load_weights(ckpt_path, model):
     """A checkpoint's weights into `model` (plain or FSDP2); NaN or inf raise on every rank."""
     state = {"model": get_model_state_dict(model)}
@@ -712,6 +733,7 @@ def load_weights(ckpt_path, model):
     bad = [name for name, ok in zip(params, finite.tolist()) if not ok]
     if bad:
         raise ValueError(f"{ckpt_path}: the weights hold NaN or inf ({', '.join(bad[:3])})")
+
 
 def load_model(name_or_path):
     """A GPT in fp32 on the CPU from a hub id, an HF directory, or a run or checkpoint."""

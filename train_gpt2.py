@@ -55,7 +55,7 @@ from configurator import NANOGPT_INIT_FROM, config_help, parse_config
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets,
                              first_samples_agree, one_epoch_samples, resolve_blend,
                              sequential_samples, token_weighted_blend)
-from model import (GPT, MARKER, GPTConfig, complete_checkpoints, export_hf,
+from model import (ACTIVATIONS, GPT, MARKER, GPTConfig, complete_checkpoints, export_hf,
                    init_sharded, is_run_or_checkpoint, load_hf_sharded, load_weights,
                    newest_usable_checkpoint, read_train_state,
                    resolve_checkpoint, resolve_pretrained, set_aside)
@@ -79,6 +79,7 @@ class TrainConfig:
     n_embd: int = 768
     vocab_size: int = 50257
     padded_vocab_size: int | None = 50304  # rows of wte/lm_head; a multiple of 64 is faster on GPUs
+    activation: str = "gelu_new"  # the MLP's: a name in model.ACTIVATIONS (add yours there)
     init_from: str | None = None  # None: GPT-2 init; an HF id or directory; a run or checkpoint
     # batch: global_batch_size sequences per optimizer step, local_batch_size per forward on a rank
     global_batch_size: int = 512
@@ -145,7 +146,9 @@ def check_config(cfg, world_size):
     for key, fine, expected in rules:
         if not fine:
             raise ValueError(f"config: {key} must be {expected}, got {getattr(cfg, key)!r}")
-    for key, choices in dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32")).items():
+    named = dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32"),
+                 activation=tuple(ACTIVATIONS))
+    for key, choices in named.items():
         if getattr(cfg, key) not in choices:
             raise ValueError(f"config: {key} must be one of {', '.join(choices)}, "
                              f"got {getattr(cfg, key)!r}")
@@ -700,7 +703,7 @@ def publish_hf(model, cfg):
 # -------------------------------------------------------------------------------------------------
 # model and optimizer
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size")
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size", "activation")
 
 
 def starting_point(cfg, resume_path):
@@ -718,7 +721,8 @@ def starting_point(cfg, resume_path):
     if cfg.init_from is None:
         model_config = GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size,
                                  padded_vocab_size=cfg.padded_vocab_size, n_layer=cfg.n_layer,
-                                 n_head=cfg.n_head, n_embd=cfg.n_embd)
+                                 n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                 activation=cfg.activation)
         return model_config, ("seed", cfg.seed)
     if is_run_or_checkpoint(cfg.init_from):
         configs = {}

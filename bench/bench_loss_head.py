@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import LOSS_CHUNK_ROWS, chunked_cross_entropy, loss_head_bytes  # noqa: E402
+from model import chunked_cross_entropy  # noqa: E402
 
 VOCAB, PADDED = 50257, 50304
 KINDS = ("nanoGPT eager", "ours eager", "nanoGPT compiled", "ours compiled")
@@ -88,12 +88,6 @@ def main():
         summary[kind] = min(r[0] for r in runs), statistics.median(r[1] for r in runs)
         print(f"  {kind:17s} peak RSS over baseline {summary[kind][0] / 2**30:6.2f} GiB, {summary[kind][1]:6.2f} s "
               f"(median), loss {runs[0][2]:.6f}")
-    # model.loss_head_bytes' estimate, plus what outlives the head: the weight's and x's fp32 gradients
-    for mode in ("eager", "compiled"):
-        rows_per_chunk = min(rows, LOSS_CHUNK_ROWS["cpu"])
-        held = loss_head_bytes(rows_per_chunk, PADDED, args.n_embd, 4, mode == "compiled")
-        print(f"  ours {mode:8s} loss_head_bytes {held / 2**30:.2f} GiB (its x gradient adds "
-              f"{rows * args.n_embd * 4 / 2**30:.2f} GiB)")
     for mode in ("eager", "compiled"):
         ours, theirs = summary[f"ours {mode}"], summary[f"nanoGPT {mode}"]
         # each round ran the two back to back: the median of their per-round ratios is the steadier figure
