@@ -1014,3 +1014,25 @@ def test_out_of_gpu_memory_is_one_line_saying_what_to_lower(data, tmp_path, monk
         train_gpt2.cli(tiny(data, tmp_path / "out"))
     assert str(stopped.value).startswith("train_gpt2.py: error: out of GPU memory; lower "
                                          "local_batch_size")
+
+
+@pytest.mark.slow
+def test_another_activation_trains_resumes_and_exports_under_its_name(data, tmp_path):
+    """Squared ReLU by name: the run, its resume and its Hugging Face export all use it."""
+    def args(out):
+        return tiny(data, out, max_steps=20, activation="relu2",
+                    index_mapping_dir=str(tmp_path / "c"))
+
+    full, resumed, out = run_stopped_and_resumed(args, tmp_path, stop_after=10)
+    assert full == resumed
+    assert json.loads((out / "hf" / "config.json").read_text())["activation_function"] == "relu2"
+    from transformers import GPT2LMHeadModel
+    from model import load_model
+    theirs = GPT2LMHeadModel.from_pretrained(out / "hf").eval()
+    ours = load_model(str(out / "hf"))
+    tokens = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens)[0], theirs(tokens).logits)
+    plain = tmp_path / "plain"
+    train_gpt2.main(tiny(data, plain, max_steps=20, index_mapping_dir=str(tmp_path / "c")))
+    assert metrics(plain, "train_loss")[19] != full[19]
