@@ -238,6 +238,9 @@ def resolve_blend(paths):
     if len(entries) % 2 or not all(w is not None and math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"blend list {entries}: it must alternate weight, prefix (or list only "
                          f"prefixes), each weight a positive number")
+    if not math.isfinite(sum(weights)):  # normalized, they would all be 0 or NaN
+        raise ValueError(f"blend list {entries}: the weights {entries[0::2]} add up to more than a "
+                         "float holds; scale them down")
     return entries[1::2], weights
 
 

@@ -188,7 +188,8 @@ python3 -c "$table" bare
 train=(train_gpt2.py configs/gpt2_124m.py --data_paths="$data/synthetic" --index_mapping_dir="$data/cache"
        --split=99,1,0 --val_data_paths=None --val_tokens=$((SEQ * BATCH)) --hellaswag=None --ckpt_every_steps=0
        --n_layer="$n_layer" --n_head="$n_head" --n_embd="$n_embd" --seq_length="$SEQ" --local_batch_size="$BATCH"
-       --global_batch_size=$((8 * BATCH)) --max_steps="$STEPS" --device="$DEVICE" --dtype=$dtype --compile=$compile)
+       --global_batch_size=$((8 * BATCH)) --max_steps="$STEPS" --lr_warmup_steps=1 --device="$DEVICE"
+       --dtype=$dtype --compile=$compile)
 run() {  # out_dir name, the row's label, then the launcher; the log stays in OUT and is shown when the run fails
     local name=$1 label=$2
     shift 2
