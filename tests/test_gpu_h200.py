@@ -5,9 +5,12 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_gpu_script_runs_on_cpu_with_a_tiny_model(tmp_path):
     env = dict(os.environ, DEVICE="cpu", MODEL="2 2 32", SEQ="32", BATCH="1", STEPS="2", OUT=str(tmp_path / "h200"))
     result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_h200.sh")], env=env, capture_output=True,
@@ -40,3 +43,9 @@ def test_a_missing_c_compiler_is_said_first():
     assert result.stderr == ("gpu_h200.sh: error: no C compiler (CC=/nonexistent/cc, gcc or clang): torch.compile's "
                              "Triton builds its launcher with one; install gcc (build-essential on Debian/Ubuntu) or "
                              "set CC\n")
+
+
+def test_gpu_script_is_valid_bash():
+    script = os.path.join(ROOT, "bench", "gpu_h200.sh")
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

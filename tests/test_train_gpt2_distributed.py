@@ -56,6 +56,7 @@ def signal_and_time_the_checkpoint(args, out, ready_path, ready_pattern):
     return elapsed, proc.returncode, log_path.read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_is_checkpointed_within_a_step_though_logging_is_rare(data, tmp_path):
     out = tmp_path / "out"
     args = tiny(data, out, max_steps=5000, log_every_steps=150, ckpt_every_steps=0, val_every_steps=10_000)
@@ -68,6 +69,7 @@ def test_sigterm_under_torchrun_is_checkpointed_within_a_step_though_logging_is_
     assert status != 0  # torchrun itself exits 1 when signalled: requeue scripts read the out_dir, not this
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_long_validation_is_checkpointed_at_once(data, tmp_path):
     out = tmp_path / "out"
     args = tiny(data, out, max_steps=100, val_tokens=80_000, n_embd=128, ckpt_every_steps=0)
@@ -77,6 +79,7 @@ def test_sigterm_during_a_long_validation_is_checkpointed_at_once(data, tmp_path
     assert "val loss" not in output  # the evaluation was cut short, not finished first
 
 
+@pytest.mark.slow
 def test_fsdp2_shards_on_a_mesh_of_the_runs_device(data, tmp_path):
     result = subprocess.run(torchrun(tiny(data, tmp_path / "out", max_steps=1, lr_warmup_steps=1, val_tokens=0)), cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
@@ -116,6 +119,7 @@ def two_rank_run(data, tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.slow
 def test_one_and_two_ranks_give_the_same_run(one_process_run, two_rank_run):
     one = vislog(os.path.join(one_process_run, "main.log"))
     assert sorted(one["trl"]) == list(range(60)) and sorted(one["tel"]) == [0, 10, 20, 30, 40, 50, 60]
@@ -153,6 +157,7 @@ def test_one_and_two_ranks_give_the_same_run(one_process_run, two_rank_run):
     assert checkpoints(two_rank_run) == ["step_00000050", "step_00000060"]  # ckpt_keep = 2
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_4x1_equals_1x4_and_padding_changes_nothing(data, tmp_path):
     train_gpt2.main(tiny(data, tmp_path / "a", global_batch_size=4, local_batch_size=4, max_steps=12))
     train_gpt2.main(tiny(data, tmp_path / "b", global_batch_size=4, local_batch_size=1, max_steps=12))
@@ -163,6 +168,7 @@ def test_gradient_accumulation_4x1_equals_1x4_and_padding_changes_nothing(data, 
     assert_same_trajectory(tmp_path / "a", tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_is_exact_and_resumes_on_another_world_size(data, two_rank_run, tmp_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen(torchrun(tiny(data, out)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -192,6 +198,7 @@ def test_kill9_then_resume_is_exact_and_resumes_on_another_world_size(data, two_
     assert_same_trajectory(tmp_path / "killed_copy", two_rank_run)
 
 
+@pytest.mark.slow
 def test_a_lost_peer_ends_each_survivor_with_one_line_saying_a_rerun_resumes(data, tmp_path):
     out, logs = tmp_path / "out", tmp_path / "logs"
     cmd = torchrun(tiny(data, out, dist_timeout_s=20))
@@ -226,6 +233,7 @@ def sigterm_one_process(args, out, pattern):
     return proc, stdout, stderr
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_process_run, tmp_path):
     out = tmp_path / "preempted"
     proc, stdout, stderr = sigterm_one_process(tiny(data, out, ckpt_every_steps=0), out, r"^s:15 trl")
@@ -239,6 +247,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_exactly(data, one_proc
     assert metrics(out, "val_loss") == metrics(one_process_run, "val_loss")
 
 
+@pytest.mark.slow
 def test_a_schedulers_double_sigterm_still_checkpoints_at_the_stop_step_and_resumes_exactly(data, two_rank_run,
                                                                                              tmp_path):
     # Slurm signals every process of the job, then torchrun forwards its own SIGTERM: the second must not kill
@@ -282,6 +291,7 @@ train_gpt2.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_keeps_the_previous_one(data, one_process_run, tmp_path, capsys):
     out = tmp_path / "killed_in_write"
     result = subprocess.run([sys.executable, "-c", KILL_IN_SECOND_CHECKPOINT_WRITE, *tiny(data, out)], cwd=ROOT,
@@ -328,6 +338,7 @@ def hf_val_loss(hf_dir, data, windows):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
 
 
+@pytest.mark.slow
 def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp_path):
     from transformers import GPT2LMHeadModel
     reference = hf_val_loss(hf_tiny, data, 16)
@@ -356,6 +367,7 @@ def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp
                                    load_model(str(out2))(tokens)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_init_from_a_hub_id_is_downloaded_by_each_nodes_first_rank_into_its_own_cache(data, hf_tiny, tmp_path):
     launcher = tmp_path / "launch_with_fault.py"
     launcher.write_text(LAUNCHER)
@@ -405,6 +417,7 @@ def test_init_from_a_hub_id_is_downloaded_by_each_nodes_first_rank_into_its_own_
         assert output.count("Traceback") == 1 and "raise ChildFailedError" in output  # torchrun's report only
 
 
+@pytest.mark.slow
 def test_config_errors_name_the_key(tmp_path, data):
     config = tmp_path / "config.py"
     config.write_text("import math\nmax_steps = 5\nlr = 3e-4 * math.sqrt(4)\nsplit = '90,10,0'\n")
@@ -444,6 +457,7 @@ def test_config_errors_name_the_key(tmp_path, data):
            "'max_steps'?" in result.stderr
 
 
+@pytest.mark.slow
 def test_max_steps_none_trains_one_epoch_and_more_than_an_epoch_blends_by_tokens(data, tmp_path, capsys):
     # an unweighted glob is one epoch at most in Megatron; past it the files are blended by token count
     from indexed_dataset import build_gpt_datasets
@@ -477,6 +491,7 @@ def test_mfu_peak_table(monkeypatch):
     assert not [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a in b]
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     """The quick start: tokenize the bundled text with prepare_fineweb.py, train configs/demo_cpu.py (fewer steps),
     with HellaSwag on a few examples."""
@@ -613,6 +628,7 @@ def assert_only_complete_checkpoints(out):
     assert all(check_checkpoint(path) is None for path in steps)
 
 
+@pytest.mark.slow
 def test_sigkill_at_seeded_points_then_rerun_gives_the_uninterrupted_run_bit_for_bit(data, tmp_path):
     config = dict(max_steps=16, ckpt_every_steps=4, val_every_steps=8)
     reference = launch(tmp_path, tiny(data, tmp_path / "reference", **config))
@@ -651,6 +667,7 @@ def test_a_stop_before_the_first_update_resumes_bit_for_bit_on_one_process(data,
     assert vislog(out / "main.log") == vislog(tmp_path / "reference" / "main.log")
 
 
+@pytest.mark.slow
 def test_a_stop_during_the_step_0_evaluation_resumes_bit_for_bit_on_two_ranks(data, tmp_path):
     args = dict(max_steps=12, ckpt_every_steps=4)
     assert launch(tmp_path, tiny(data, tmp_path / "reference", **args)).returncode == 0
@@ -663,6 +680,7 @@ def test_a_stop_during_the_step_0_evaluation_resumes_bit_for_bit_on_two_ranks(da
         assert metrics(out, key) == metrics(tmp_path / "reference", key)
 
 
+@pytest.mark.slow
 def test_init_from_a_live_run_on_two_ranks_loads_its_newer_checkpoint_on_every_rank(data, tmp_path):
     source = tmp_path / "source"
     assert launch(tmp_path, tiny(data, source, max_steps=4, ckpt_every_steps=2)).returncode == 0
@@ -671,6 +689,7 @@ def test_init_from_a_live_run_on_two_ranks_loads_its_newer_checkpoint_on_every_r
     assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000099'}" in result.stdout
 
 
+@pytest.mark.slow
 def test_non_finite_weights_are_never_checkpointed_or_exported(data, tmp_path):
     # AdamW's decoupled weight decay p *= 1 - lr * weight_decay overflows float32 in the first update, after a
     # finite loss and grad norm: only the weights show it
@@ -752,6 +771,7 @@ def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, cap
     assert "--device cuda: torch sees no CUDA GPU here; use --device cpu" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
@@ -781,6 +801,7 @@ train_gpt2.cli()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interrupts", [2, 3])
 def test_a_second_ctrl_c_says_the_checkpoint_is_being_written_and_a_third_aborts_without_a_traceback(
         data, tmp_path, interrupts):
@@ -805,6 +826,7 @@ def test_a_second_ctrl_c_says_the_checkpoint_is_being_written_and_a_third_aborts
         assert "aborted without a checkpoint; rerun the same command to resume from the last one" in stderr
 
 
+@pytest.mark.slow
 def test_sigterm_exits_143_after_its_checkpoint_and_a_finished_run_exits_0(data, tmp_path):
     out = tmp_path / "preempted"
     args = tiny(data, out, ckpt_every_steps=0, max_steps=30)
@@ -835,6 +857,7 @@ def worker_view(procs):
     return views
 
 
+@pytest.mark.slow
 def test_two_nodes_give_the_two_rank_run_bit_for_bit_each_with_its_own_home(data, two_rank_run, two_nodes, tmp_path):
     out = tmp_path / "two_nodes"
     procs = start_nodes(two_nodes, tiny(data, out), tmp_path)
@@ -856,6 +879,7 @@ def test_two_nodes_give_the_two_rank_run_bit_for_bit_each_with_its_own_home(data
     assert hf_difference(out, two_rank_run) == ""
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_node_checkpoints_both_and_the_rerun_resumes_exactly(data, two_rank_run, two_nodes, tmp_path):
     out = tmp_path / "two_nodes"
     procs = start_nodes(two_nodes, tiny(data, out), tmp_path / "stopped", port=29400)
@@ -906,6 +930,7 @@ def two_localhost_nodes(args, homes, timeout=300):
             proc.kill()
 
 
+@pytest.mark.slow
 def test_hellaswag_download_is_read_by_global_rank_0_alone_so_nodes_need_no_shared_home(data, tmp_path):
     """hellaswag="download" on two nodes with different HOMEs: rank 0 reads its cached copy and sends the examples,
     so the node without one (and without internet) needs none; a bad copy is one line on every rank, not a hang."""

@@ -342,3 +342,15 @@ def test_a_bad_key_fails_the_job_once_with_the_error_in_its_output(scenarios):
     errors = re.findall(r"^train_gpt2\.py: error: .*$", seen["output"], re.M)
     assert errors == ["train_gpt2.py: error: command line --max_step=5: unknown config key 'max_step'; "
                       "did you mean 'max_steps'?"], seen["output"][-3000:]
+
+
+def test_the_batch_script_is_valid_bash_and_asks_slurm_for_what_its_endings_need():
+    """The warning goes to the batch shell (B:), the job may be requeued, and a requeue appends to
+    its output instead of truncating it."""
+    script = os.path.join(ROOT, "train_gpt2.sbatch")
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    with open(script, encoding="utf-8") as f:
+        options = [line.split(None, 1)[1].strip() for line in f if line.startswith("#SBATCH")]
+    assert "--requeue" in options and "--open-mode=append" in options
+    assert any(option.startswith("--signal=B:USR1@") for option in options)
