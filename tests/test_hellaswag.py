@@ -1,6 +1,7 @@
 """HellaSwag scoring equals a plain per-ending computation with transformers' GPT2LMHeadModel on the same weights and
 one ending per forward of our own model, 2 ranks (torchrun, gloo, also FSDP2-sharded) give the counts of 1, bad files
 are named with their line, and a download without network says what to do in one line."""
+import gc
 import json
 import os
 import subprocess
@@ -197,6 +198,11 @@ def distributed_worker(hf_dir, out_dir):
                                          batch_size=2)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    # Free what refers to the process group (FSDP state) first: gloo otherwise aborts now and then
+    # at exit ("terminate called without an active exception"), as train_gpt2.run() knows.
+    del model
+    gc.collect()
+    dist.barrier()  # leave together
     dist.destroy_process_group()
 
 
