@@ -1349,6 +1349,9 @@ def train(cfg, rank, world_size, device, log, stop):
         log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
         if stop.error is not None:
             raise stop.error
+        if stopping and stop.signal is None:  # another rank's reading thread failed
+            raise ValueError(f"another rank's data could not be read; its line says why; the "
+                             f"checkpoint at step {done} is saved")
         if stopping:
             since = ""
             if stop.time:
