@@ -1349,16 +1349,12 @@ def train(cfg, rank, world_size, device, log, stop):
         log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
         if stop.error is not None:
             raise stop.error
-        if stopping and stop.signal is None:  # another rank's reading thread failed
-            raise ValueError(f"another rank's data could not be read; its line says why; the "
-                             f"checkpoint at step {done} is saved")
         if stopping:
             since = ""
             if stop.time:
                 since = f", {time.perf_counter() - stop.time:.1f} s after the signal"
             log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
-            return 128 + (stop.signal or signal.SIGTERM)
-        return None
+            return 128 + (stop.signal or signal.SIGTERM)  # or another rank's
 
     if any_rank(stop.requested()):  # a signal during setup: nothing to train before the checkpoint
         return save(start_step, stopping=True)
