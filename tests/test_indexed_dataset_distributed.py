@@ -112,8 +112,10 @@ NODE_SCRIPT = textwrap.dedent("""
     for i in range(len(train)):
         digest.update(train[i]["tokens"].tobytes())
     mapped = all(isinstance(a, np.memmap) for a in (train.dataset_index, train.datasets[1].sample_index))
-    print(json.dumps(dict(rank=dist.get_rank(), local_rank=int(os.environ["LOCAL_RANK"]), mapped=mapped,
-                          digest=digest.hexdigest())), flush=True)
+    # one write() per rank: the ranks share a pipe, and print() may split a line between two writes
+    line = json.dumps(dict(rank=dist.get_rank(), local_rank=int(os.environ["LOCAL_RANK"]), mapped=mapped,
+                           digest=digest.hexdigest()))
+    os.write(1, (line + "\\n").encode())
     dist.destroy_process_group()
 """)
 
