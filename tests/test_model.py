@@ -347,11 +347,17 @@ def test_export_swap_leaves_a_complete_directory(tmp_path, monkeypatch, exchange
     def reader():
         while not done.is_set():
             try:
-                names = set(os.listdir(tmp_path / "hf"))
+                fd = os.open(tmp_path / "hf", os.O_RDONLY | os.O_DIRECTORY)
             except FileNotFoundError:  # the fallback's window between its two renames
-                names = set()
-            if {"config.json", "model.safetensors"} - names:
-                missing.append(names)
+                missing.append(set())
+                continue
+            try:
+                names = set(os.listdir(fd))
+                # A directory swapped out and deleted while it was listed is not what hf/ names: skip it.
+                if {"config.json", "model.safetensors"} - names and os.fstat(fd).st_nlink > 0:
+                    missing.append(names)
+            finally:
+                os.close(fd)
 
     thread = threading.Thread(target=reader)
     thread.start()
