@@ -381,52 +381,47 @@ def blending_indices(weights, size=None):
     return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
 
 
-def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19):
+def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, flush=64):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r from step first_steps[r]) into
-    `picks` and `samples`; return the draws after. `block` values at a time bound temporaries."""
-    rows = max(8, block // len(weights))
-    end_draws = np.empty_like(draws)
-    for first in range(0, len(draws), rows):
-        part = slice(first, first + rows)
-        end_draws[part] = greedy_rows(weights, quotas, first_steps[part], draws[part], picks[part], samples[part])
-    return end_draws
-
-
-def greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush=64):
-    """greedy() on one block of rows, held as (datasets, rows): each step reduces over axis 0. Picks
-    go to a scratch row, copied out every `flush` steps: a column write costs more than a step."""
-    num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
+    `picks` and `samples`; return the draws after. Rows go in blocks of `block` values, which bounds
+    the temporaries, held as (datasets, rows) so that each step reduces over axis 0. Picks go to a
+    scratch row, copied out every `flush` steps: a column write costs more than a step."""
+    num_datasets, steps = len(weights), picks.shape[1]
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    counts = np.ascontiguousarray(draws.T, dtype=np.float64)
-    flat_counts = counts.reshape(-1)
-    # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
-    flat_end = num_datasets * n + np.arange(n)
-    error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
-    ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
-    row_steps, x, next_sample = first_steps.astype(np.float64), np.empty(n), np.empty(n)
-    tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
-    for t in range(steps):
-        np.add(row_steps, t, out=x)
-        if t == 0:
-            np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
-        np.multiply(weights[:, None], x, out=error)
-        np.subtract(error, counts, out=error)
-        if quotas is not None:
-            np.putmask(error, counts >= quotas[:, None], -np.inf)
-        # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
-        np.equal(error, error.max(axis=0), out=is_max)
-        np.multiply(is_max, first_on_ties, out=ties)
-        top = ties.max(axis=0, out=tie_values[t % flush])
-        np.multiply(top, np.int64(n), out=where)
-        np.subtract(flat_end, where, out=where)
-        sample = np.take(flat_counts, where, out=drawn[t % flush])
-        np.add(sample, 1.0, out=next_sample)
-        flat_counts[where] = next_sample
-        if t % flush == flush - 1 or t == steps - 1:
-            done = t % flush + 1
-            picks[:, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
-            samples[:, t + 1 - done:t + 1] = drawn[:done].T
-    return counts.T
+    end_draws = np.empty_like(draws)
+    for first in range(0, len(draws), max(8, block // num_datasets)):
+        part = slice(first, first + max(8, block // num_datasets))
+        counts = np.ascontiguousarray(draws[part].T, dtype=np.float64)
+        n, flat_counts = counts.shape[1], counts.reshape(-1)
+        # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
+        flat_end = num_datasets * n + np.arange(n)
+        error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
+        ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
+        row_steps, x, next_sample = first_steps[part].astype(np.float64), np.empty(n), np.empty(n)
+        tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
+        for t in range(steps):
+            np.add(row_steps, t, out=x)
+            if t == 0:
+                np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
+            np.multiply(weights[:, None], x, out=error)
+            np.subtract(error, counts, out=error)
+            if quotas is not None:
+                np.putmask(error, counts >= quotas[:, None], -np.inf)
+            # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
+            np.equal(error, error.max(axis=0), out=is_max)
+            np.multiply(is_max, first_on_ties, out=ties)
+            top = ties.max(axis=0, out=tie_values[t % flush])
+            np.multiply(top, np.int64(n), out=where)
+            np.subtract(flat_end, where, out=where)
+            sample = np.take(flat_counts, where, out=drawn[t % flush])
+            np.add(sample, 1.0, out=next_sample)
+            flat_counts[where] = next_sample
+            if t % flush == flush - 1 or t == steps - 1:
+                done = t % flush + 1
+                picks[part, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
+                samples[part, t + 1 - done:t + 1] = drawn[:done].T
+        end_draws[part] = counts.T
+    return end_draws
 
 
 # The index cache
@@ -435,9 +430,8 @@ def key_digest(key):
 
 
 def sampled_checksum(path, offset, itemsize, count, samples=256):
-    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`: it catches an array
-    zeroed or overwritten in any sizeable part with a few hundred preads, which keep the pages out of
-    this process (a mapping would keep the whole cache resident)."""
+    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`, which catches an
+    array zeroed or overwritten in any sizeable part; preads keep the cache's pages out of this process."""
     picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
     with open(path, "rb") as f:
         items = [os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()]
@@ -619,9 +613,8 @@ class BlendedDataset:
 
 
 def first_samples_agree(a, b, count):
-    """Whether samples [0, count) of the GPT or blended datasets `a` and `b` are the same samples in
-    the same order. Their orders say it: equal orders are equal index arrays (a size only cuts them
-    short), and other epochs or weights shuffle or draw otherwise from the first sample on."""
+    """Whether samples [0, count) of GPT or blended datasets `a` and `b` are the same: equal orders are
+    equal index arrays (a size only cuts them short); other epochs or weights differ from sample 0."""
     return a.order == b.order and min(len(a), len(b)) >= count
 
 
