@@ -388,9 +388,9 @@ def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, f
     scratch row, copied out every `flush` steps: a column write costs more than a step."""
     num_datasets, steps = len(weights), picks.shape[1]
     first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    end_draws = np.empty_like(draws)
-    for first in range(0, len(draws), max(8, block // num_datasets)):
-        part = slice(first, first + max(8, block // num_datasets))
+    end_draws, rows = np.empty_like(draws), max(8, block // num_datasets)
+    for first in range(0, len(draws), rows):
+        part = slice(first, first + rows)
         counts = np.ascontiguousarray(draws[part].T, dtype=np.float64)
         n, flat_counts = counts.shape[1], counts.reshape(-1)
         # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
@@ -642,7 +642,8 @@ def build_in_turns(build):
                 result = build()
             except Exception as raised:
                 error = raised  # the others raise the same kind of error, in one line
-                failure = OSError if isinstance(error, OSError) else ValueError, str(error).splitlines()[0]
+                kind = OSError if isinstance(error, OSError) else ValueError
+                failure = kind, str(error).splitlines()[0]
         dist.all_gather_object(failures, failure)
         if error is not None:
             raise error
