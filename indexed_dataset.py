@@ -82,17 +82,19 @@ class IndexedDataset:
         bin_size, idx_size = os.fstat(self.bin_file.fileno()).st_size, os.path.getsize(idx_path)
         self.sizes = {".bin": bin_size, ".idx": idx_size}
         if idx_size < HEADER.size:
-            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte header")
+            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte "
+                             "header")
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         magic, version, code, count, num_boundaries = HEADER.unpack(self._index[:HEADER.size])
         if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:
-            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index of version 1 (magic "
-                             f"{magic!r}, version {version}, dtype code {code})")
+            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index of version 1 "
+                             f"(magic {magic!r}, version {version}, dtype code {code})")
         expected = HEADER.size + 12 * count + 8 * num_boundaries
         # A multimodal .idx adds a byte per sequence after the boundaries.
         if num_boundaries < 1 or idx_size not in (expected, expected + count):
-            raise ValueError(f"{idx_path}: truncated or corrupt: its header announces {count} sequences "
-                             f"and {num_boundaries - 1} documents, {expected} bytes, not {idx_size}")
+            raise ValueError(f"{idx_path}: truncated or corrupt: its header announces {count} "
+                             f"sequences and {num_boundaries - 1} documents, {expected} bytes, "
+                             f"not {idx_size}")
         self.dtype, self.num_documents = np.dtype(DTYPES[code]), num_boundaries - 1
         self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(self._index, "<i8", count, HEADER.size + 4 * count)
@@ -393,7 +395,7 @@ def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, f
         part = slice(first, first + rows)
         counts = np.ascontiguousarray(draws[part].T, dtype=np.float64)
         n, flat_counts = counts.shape[1], counts.reshape(-1)
-        # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
+        # Row r's pick d is flat_counts[d * n + r], d = num_datasets - its first_on_ties value.
         flat_end = num_datasets * n + np.arange(n)
         error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
         ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
@@ -407,7 +409,7 @@ def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, f
             np.subtract(error, counts, out=error)
             if quotas is not None:
                 np.putmask(error, counts >= quotas[:, None], -np.inf)
-            # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
+            # The first argmax over datasets: np.argmax along axis 0 is several times slower.
             np.equal(error, error.max(axis=0), out=is_max)
             np.multiply(is_max, first_on_ties, out=ties)
             top = ties.max(axis=0, out=tie_values[t % flush])
@@ -430,8 +432,9 @@ def key_digest(key):
 
 
 def sampled_checksum(path, offset, itemsize, count, samples=256):
-    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`, which catches an
-    array zeroed or overwritten in any sizeable part; preads keep the cache's pages out of this process."""
+    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`, which catches
+    an array zeroed or overwritten in any sizeable part; preads keep the cache's pages out of this
+    process."""
     picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
     with open(path, "rb") as f:
         items = [os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()]
@@ -499,7 +502,7 @@ def check_once(dataset, cache_dir):
     key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": os.path.abspath(dataset.path_prefix),
            "files": files}
     path = os.path.join(cache_dir, f"{key_digest(key)}-IndexedDataset-checked.json")
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # no record, or a damaged one
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or a damaged one
         with open(path) as f:
             record = json.load(f)
         if record["key"] == key:
@@ -544,7 +547,8 @@ class GPTDataset:
         self.order.update(epochs=num_epochs, separate_final_epoch=separate)
         build = functools.partial(gpt_indices, dataset.sequence_lengths, begin, end, seed=seed, **options,
                                   add_extra_token=add_extra_token)
-        what = f"{dataset.path_prefix}: {split} indices of {layout['shuffle_index'][1][0]:,} samples"
+        samples = layout["shuffle_index"][1][0]
+        what = f"{dataset.path_prefix}: {split} indices of {samples:,} samples"
         arrays = cached(cache_dir, f"GPTDataset-{split}", key, layout, build, what)
         self.document_index, self.sample_index, self.shuffle_index = arrays.values()
 
@@ -613,8 +617,9 @@ class BlendedDataset:
 
 
 def first_samples_agree(a, b, count):
-    """Whether samples [0, count) of GPT or blended datasets `a` and `b` are the same: equal orders are
-    equal index arrays (a size only cuts them short); other epochs or weights differ from sample 0."""
+    """Whether samples [0, count) of GPT or blended datasets `a` and `b` are the same: equal orders
+    are equal index arrays (a size only cuts them short); other epochs or weights differ from the
+    first sample on."""
     return a.order == b.order and min(len(a), len(b)) >= count
 
 
@@ -666,10 +671,11 @@ class SplitsBuilder:
             if missing:
                 raise ValueError(f"a weighted blend needs a size for every split; {missing} have None")
             self.weights = normalize(self.weights)
-        self.dirs = [cache_dir_for(p, "GPTDataset", cache_dir, fallback_cache_dir) for p in self.prefixes]
+        where = cache_dir, fallback_cache_dir
+        self.dirs = [cache_dir_for(p, "GPTDataset", *where) for p in self.prefixes]
         self.blend_dir = None
         if len(self.prefixes) > 1 or self.weights is not None:
-            self.blend_dir = cache_dir_for(self.prefixes[0], "BlendedDataset", cache_dir, fallback_cache_dir)
+            self.blend_dir = cache_dir_for(self.prefixes[0], "BlendedDataset", *where)
 
     def build(self):
         if node_leader():
@@ -706,7 +712,8 @@ class SplitsBuilder:
             targets = [math.ceil(size * w) for w in self.weights]
             weights, size = self.weights, sum(targets)
             if size:
-                indices = self.helper.submit(cached_blending_indices, weights, size, SPLITS[i], self.blend_dir)
+                indices = self.helper.submit(cached_blending_indices, weights, size, SPLITS[i],
+                                             self.blend_dir)
             parts = [self.gpt_split(d, i, math.ceil(n * (1 + 0.005))) for d, n in enumerate(targets)]
         else:  # one epoch of each, in proportion to their samples
             parts = [self.gpt_split(d, i, None) for d in range(len(self.datasets))]
@@ -719,7 +726,8 @@ class SplitsBuilder:
             raise ValueError(f"{self.prefixes[parts.index(None)]}: its {SPLITS[i]} split ({self.split!r}) "
                              f"has no samples of {self.seq_length} tokens to take part in the blend")
         if indices is None:
-            indices = self.helper.submit(cached_blending_indices, weights, size, SPLITS[i], self.blend_dir)
+            indices = self.helper.submit(cached_blending_indices, weights, size, SPLITS[i],
+                                         self.blend_dir)
         return BlendedDataset(parts, weights, size, indices.result())
 
 
