@@ -683,8 +683,8 @@ class SplitsBuilder:
                 remove_stale_temporaries(directory)
         for dataset, directory in zip(self.datasets, self.dirs):
             check_once(dataset, directory)
-        # A blend's index needs only the weights and the size: a helper thread builds it beside the
-        # datasets' indices, which hides most of its time on a cold start.
+        # A weighted blend's index needs only the weights and the size: a helper thread builds it
+        # beside the datasets' indices, which hides most of its time on a cold start.
         with concurrent.futures.ThreadPoolExecutor(1) as self.helper:
             return tuple(self.blend(i) for i in range(3))
 
