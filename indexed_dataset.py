@@ -3,6 +3,7 @@ same samples in the same order, as megatron-core 0.16.1's IndexedDataset, GPTDat
 BlendedDataset (tests/ compare them). `python indexed_dataset.py info|verify PREFIX_OR_GLOB`."""
 import argparse
 import concurrent.futures
+import contextlib
 import functools
 import glob
 import hashlib
@@ -19,7 +20,7 @@ from array import array
 
 import numpy as np
 
-from atomic_io import WriteError, atomic_write, remove_stale_temporaries
+from atomic_io import atomic_write, remove_stale_temporaries
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
@@ -68,24 +69,6 @@ def file_sha256(path):
     return digest.hexdigest()
 
 
-def read_header(idx_path, idx_size):
-    """(dtype code, sequence count, boundary count) of a .idx whose header fits its size."""
-    with open(idx_path, "rb") as f:
-        header = f.read(HEADER.size)
-    if len(header) < HEADER.size:
-        raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte header")
-    magic, version, code, count, num_boundaries = HEADER.unpack(header)
-    if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:
-        raise ValueError(f"{idx_path}: not a Megatron indexed dataset index of version 1 (magic "
-                         f"{magic!r}, version {version}, dtype code {code})")
-    expected = HEADER.size + 12 * count + 8 * num_boundaries
-    # A multimodal .idx adds a byte per sequence after the boundaries.
-    if num_boundaries < 1 or idx_size not in (expected, expected + count):
-        raise ValueError(f"{idx_path}: truncated or corrupt: its header announces {count} sequences "
-                         f"and {num_boundaries - 1} documents, {expected} bytes, not {idx_size}")
-    return code, count, num_boundaries
-
-
 class IndexedDataset:
     """Memory-mapped `<path_prefix>.bin` + `.idx`: `ds[i]` is a read-only view of sequence i."""
 
@@ -96,11 +79,23 @@ class IndexedDataset:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path}: no such file; {MISSING_DATA} (a prefix, no .bin)")
         self.bin_file = open(bin_path, "rb")  # kept open, so that get() can ask its size cheaply
-        bin_size = os.fstat(self.bin_file.fileno()).st_size
-        self.sizes = {".bin": bin_size, ".idx": os.path.getsize(idx_path)}
-        code, count, num_boundaries = read_header(idx_path, self.sizes[".idx"])
-        self.dtype, self.num_documents = np.dtype(DTYPES[code]), num_boundaries - 1
+        bin_size, idx_size = os.fstat(self.bin_file.fileno()).st_size, os.path.getsize(idx_path)
+        self.sizes = {".bin": bin_size, ".idx": idx_size}
+        if idx_size < HEADER.size:
+            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte "
+                             "header")
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        magic, version, code, count, num_boundaries = HEADER.unpack(self._index[:HEADER.size])
+        if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:
+            raise ValueError(f"{idx_path}: not a Megatron indexed dataset index of version 1 "
+                             f"(magic {magic!r}, version {version}, dtype code {code})")
+        expected = HEADER.size + 12 * count + 8 * num_boundaries
+        # A multimodal .idx adds a byte per sequence after the boundaries.
+        if num_boundaries < 1 or idx_size not in (expected, expected + count):
+            raise ValueError(f"{idx_path}: truncated or corrupt: its header announces {count} "
+                             f"sequences and {num_boundaries - 1} documents, {expected} bytes, "
+                             f"not {idx_size}")
+        self.dtype, self.num_documents = np.dtype(DTYPES[code]), num_boundaries - 1
         self.sequence_lengths = np.frombuffer(self._index, "<i4", count, HEADER.size)
         self.sequence_pointers = np.frombuffer(self._index, "<i8", count, HEADER.size + 4 * count)
         self.document_indices = np.frombuffer(self._index, "<i8", num_boundaries, HEADER.size + 12 * count)
@@ -109,10 +104,7 @@ class IndexedDataset:
                              f"to {self.document_indices[-1]}, not from 0 to the sequence count {count}")
         if check:
             self.check()
-        # check() vouches for the last pointer: the .bin must end where the last sequence does.
-        expected = 0
-        if count:
-            expected = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize)
+        expected = self.num_tokens * self.dtype.itemsize  # check() ties the pointers to the lengths
         if bin_size != expected:
             raise ValueError(f"{bin_path}: {bin_size} bytes, not the {expected} bytes its {idx_path} says")
         self.tokens = np.empty(0, self.dtype)  # an empty file cannot be mapped
@@ -229,8 +221,6 @@ def resolve_blend(paths):
             raise FileNotFoundError(f"{paths}: the glob matches no .bin/.idx files; {MISSING_DATA}")
         return prefixes, None
     entries = [str(p).strip() for p in paths]
-    if not entries:
-        raise ValueError("the blend list is empty")
     numbers = [as_number(entry) for entry in entries]
     if numbers.count(None) == len(numbers):
         return entries, None
@@ -393,52 +383,47 @@ def blending_indices(weights, size=None):
     return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
 
 
-def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19):
+def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, flush=64):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r from step first_steps[r]) into
-    `picks` and `samples`; return the draws after. `block` values at a time bound temporaries."""
-    rows = max(8, block // len(weights))
-    end_draws = np.empty_like(draws)
+    `picks` and `samples`; return the draws after. Rows go in blocks of `block` values, which bounds
+    the temporaries, held as (datasets, rows) so that each step reduces over axis 0. Picks go to a
+    scratch row, copied out every `flush` steps: a column write costs more than a step."""
+    num_datasets, steps = len(weights), picks.shape[1]
+    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
+    end_draws, rows = np.empty_like(draws), max(8, block // num_datasets)
     for first in range(0, len(draws), rows):
         part = slice(first, first + rows)
-        end_draws[part] = greedy_rows(weights, quotas, first_steps[part], draws[part], picks[part], samples[part])
+        counts = np.ascontiguousarray(draws[part].T, dtype=np.float64)
+        n, flat_counts = counts.shape[1], counts.reshape(-1)
+        # Row r's pick d is flat_counts[d * n + r], d = num_datasets - its first_on_ties value.
+        flat_end = num_datasets * n + np.arange(n)
+        error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
+        ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
+        row_steps, x, next_sample = first_steps[part].astype(np.float64), np.empty(n), np.empty(n)
+        tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
+        for t in range(steps):
+            np.add(row_steps, t, out=x)
+            if t == 0:
+                np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
+            np.multiply(weights[:, None], x, out=error)
+            np.subtract(error, counts, out=error)
+            if quotas is not None:
+                np.putmask(error, counts >= quotas[:, None], -np.inf)
+            # The first argmax over datasets: np.argmax along axis 0 is several times slower.
+            np.equal(error, error.max(axis=0), out=is_max)
+            np.multiply(is_max, first_on_ties, out=ties)
+            top = ties.max(axis=0, out=tie_values[t % flush])
+            np.multiply(top, np.int64(n), out=where)
+            np.subtract(flat_end, where, out=where)
+            sample = np.take(flat_counts, where, out=drawn[t % flush])
+            np.add(sample, 1.0, out=next_sample)
+            flat_counts[where] = next_sample
+            if t % flush == flush - 1 or t == steps - 1:
+                done = t % flush + 1
+                picks[part, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
+                samples[part, t + 1 - done:t + 1] = drawn[:done].T
+        end_draws[part] = counts.T
     return end_draws
-
-
-def greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush=64):
-    """greedy() on one block of rows, held as (datasets, rows): each step reduces over axis 0. Picks
-    go to a scratch row, copied out every `flush` steps: a column write costs more than a step."""
-    num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
-    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    counts = np.ascontiguousarray(draws.T, dtype=np.float64)
-    flat_counts = counts.reshape(-1)
-    # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
-    flat_end = num_datasets * n + np.arange(n)
-    error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
-    ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
-    row_steps, x, next_sample = first_steps.astype(np.float64), np.empty(n), np.empty(n)
-    tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
-    for t in range(steps):
-        np.add(row_steps, t, out=x)
-        if t == 0:
-            np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
-        np.multiply(weights[:, None], x, out=error)
-        np.subtract(error, counts, out=error)
-        if quotas is not None:
-            np.putmask(error, counts >= quotas[:, None], -np.inf)
-        # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
-        np.equal(error, error.max(axis=0), out=is_max)
-        np.multiply(is_max, first_on_ties, out=ties)
-        top = ties.max(axis=0, out=tie_values[t % flush])
-        np.multiply(top, np.int64(n), out=where)
-        np.subtract(flat_end, where, out=where)
-        sample = np.take(flat_counts, where, out=drawn[t % flush])
-        np.add(sample, 1.0, out=next_sample)
-        flat_counts[where] = next_sample
-        if t % flush == flush - 1 or t == steps - 1:
-            done = t % flush + 1
-            picks[:, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
-            samples[:, t + 1 - done:t + 1] = drawn[:done].T
-    return counts.T
 
 
 # The index cache
@@ -447,20 +432,13 @@ def key_digest(key):
 
 
 def sampled_checksum(path, offset, itemsize, count, samples=256):
-    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`: it catches an array
-    zeroed or overwritten in any sizeable part with a few hundred preads, which keep the pages out of
-    this process (a mapping would keep the whole cache resident)."""
+    """A CRC of `samples` evenly spaced items of the array at byte `offset` of `path`, which catches
+    an array zeroed or overwritten in any sizeable part; preads keep the cache's pages out of this
+    process."""
     picks = np.linspace(0, count - 1, num=min(samples, count)).astype(np.int64)
     with open(path, "rb") as f:
         items = [os.pread(f.fileno(), itemsize, offset + k * itemsize) for k in picks.tolist()]
     return zlib.crc32(b"".join(items))
-
-
-def make_cache_dir(cache_dir):
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-    except OSError as error:
-        raise WriteError(error.errno, error.strerror, cache_dir) from None
 
 
 def load_entry(base, key, layout):
@@ -483,20 +461,20 @@ def load_entry(base, key, layout):
     return arrays
 
 
-def cached(cache_dir, name, key, layout, build):
-    """(arrays, seconds the build took or None) of `build()`, kept in `cache_dir` as {hash}-{name}-*.npy
-    and, written last, their description {hash}-{name}.json. Only node_leader() writes."""
+def cached(cache_dir, name, key, layout, build, what):
+    """The arrays of `build()`, kept in `cache_dir` as {hash}-{name}-*.npy and, written last, their
+    description {hash}-{name}.json. Only node_leader() writes; a build is logged as `what`."""
     base = os.path.join(cache_dir or "", f"{key_digest(key)}-{name}")
     if cache_dir is not None and os.path.exists(base + ".json"):
         try:
-            return load_entry(base, key, layout), None
+            return load_entry(base, key, layout)
         except Exception as error:  # whatever is wrong with the entry, a rebuild cures it
             log(f"{base}.json: ignoring the cached indices ({type(error).__name__}: {error}); rebuilding")
     t0 = time.perf_counter()
     arrays = build()
-    seconds = time.perf_counter() - t0
+    log(f"{what}, built in {time.perf_counter() - t0:.2f}s")
     if cache_dir is not None and node_leader():
-        make_cache_dir(cache_dir)
+        os.makedirs(cache_dir, exist_ok=True)
         checksums = {}
         for array_name, values in arrays.items():
             path, values = f"{base}-{array_name}.npy", np.ascontiguousarray(values)
@@ -510,7 +488,7 @@ def cached(cache_dir, name, key, layout, build):
             checksums[array_name] = sampled_checksum(path, offset, values.itemsize, values.size)
         with atomic_write(base + ".json", "w", durable=False) as f:
             json.dump({"key": key, "arrays": checksums}, f, indent=1)
-    return arrays, seconds
+    return arrays
 
 
 def check_once(dataset, cache_dir):
@@ -524,31 +502,24 @@ def check_once(dataset, cache_dir):
     key = {"format": CACHE_FORMAT, "class": "IndexCheck", "prefix": os.path.abspath(dataset.path_prefix),
            "files": files}
     path = os.path.join(cache_dir, f"{key_digest(key)}-IndexedDataset-checked.json")
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # none, or a damaged one
         with open(path) as f:
             record = json.load(f)
         if record["key"] == key:
             dataset.fingerprint = record["fingerprint"]
             return
-    except (OSError, ValueError, KeyError, TypeError):  # no record, or a damaged one
-        pass
     dataset.check()
     if node_leader():
-        make_cache_dir(cache_dir)
+        os.makedirs(cache_dir, exist_ok=True)
         with atomic_write(path, "w", durable=False) as f:  # checked on loading, as the cache is
             json.dump({"key": key, "fingerprint": dataset.fingerprint}, f)
 
 
-def cache_dirs(prefixes, cache_dir, fallback_cache_dir, blended):
-    """(a directory per prefix, one for the blends if `blended`): `cache_dir`, else beside the data, as
-    megatron-core keeps them, else `fallback_cache_dir` (None: the indices are not kept)."""
+def cache_dir_for(prefix, kind, cache_dir, fallback_cache_dir):
+    """`cache_dir`, else <prefix>/cache/<kind>_indices, where megatron-core keeps them, if it can be
+    made, else `fallback_cache_dir` (None: the indices are not kept)."""
     if cache_dir is not None:
-        return [cache_dir] * len(prefixes), cache_dir
-    dirs = [cache_dir_beside(p, "GPTDataset", fallback_cache_dir) for p in prefixes]
-    return dirs, cache_dir_beside(prefixes[0], "BlendedDataset", fallback_cache_dir) if blended else None
-
-
-def cache_dir_beside(prefix, kind, fallback_cache_dir):
+        return cache_dir
     path = parent = os.path.join(prefix, "cache", f"{kind}_indices")
     while not os.path.exists(parent):  # it can be made if its nearest ancestor is writable
         parent = os.path.dirname(parent) or "."
@@ -576,7 +547,9 @@ class GPTDataset:
         self.order.update(epochs=num_epochs, separate_final_epoch=separate)
         build = functools.partial(gpt_indices, dataset.sequence_lengths, begin, end, seed=seed, **options,
                                   add_extra_token=add_extra_token)
-        arrays, self.build_seconds = cached(cache_dir, f"GPTDataset-{split}", key, layout, build)
+        samples = layout["shuffle_index"][1][0]
+        what = f"{dataset.path_prefix}: {split} indices of {samples:,} samples"
+        arrays = cached(cache_dir, f"GPTDataset-{split}", key, layout, build, what)
         self.document_index, self.sample_index, self.shuffle_index = arrays.values()
 
     def __len__(self):
@@ -603,34 +576,29 @@ class GPTDataset:
         return f"{self.dataset.path_prefix}: {self.dataset.documents(sequences)} (sample {i})"
 
 
-def cached_blending_indices(weights, size, *, split="train", cache_dir=None, names=()):
-    """BlendedDataset's (dataset_index, dataset_sample_index), kept in `cache_dir`; `names`: the log's."""
+def cached_blending_indices(weights, size, split, cache_dir):
+    """BlendedDataset's (dataset_index, dataset_sample_index), kept in `cache_dir`."""
     if size is not None:
         weights = normalize(weights)  # again, as megatron does
     key = {"format": CACHE_FORMAT, "class": "BlendedDataset", "split": split, "weights": weights, "size": size}
     length = int(sum(weights)) if size is None else size
-    layout = {"dataset_index": (np.dtype(np.int16), (length,)), "dataset_sample_index": (np.dtype(np.int64), (length,))}
+    layout = {"dataset_index": (np.dtype(np.int16), (length,)),
+              "dataset_sample_index": (np.dtype(np.int64), (length,))}
 
     def build():
         return dict(zip(layout, blending_indices(weights, size)))
 
-    arrays, seconds = cached(cache_dir, f"BlendedDataset-{split}", key, layout, build)
-    if seconds is not None:
-        drawn = sum(np.bincount(arrays["dataset_index"][k:k + (1 << 20)], minlength=len(weights))
-                    for k in range(0, length, 1 << 20))  # bounded temporaries
-        shares = ", ".join(f"{name} {n:,}" for name, n in zip(names[:8], drawn))
-        log(f"{split} blend of {length:,} samples built in {seconds:.2f}s: {shares}")
+    what = f"{split} blend of {length:,} samples from {len(weights)} datasets"
+    arrays = cached(cache_dir, f"BlendedDataset-{split}", key, layout, build, what)
     return arrays["dataset_index"], arrays["dataset_sample_index"]
 
 
 class BlendedDataset:
     """megatron's BlendedDataset: sample i is dataset_sample_index[i] of datasets[dataset_index[i]]."""
 
-    def __init__(self, datasets, weights, size, *, split="train", cache_dir=None, indices=None):
-        """`indices`: what cached_blending_indices returned, where it was built beside the datasets."""
-        self.datasets, names = datasets, [d.dataset.path_prefix for d in datasets]
-        if indices is None:
-            indices = cached_blending_indices(weights, size, split=split, cache_dir=cache_dir, names=names)
+    def __init__(self, datasets, weights, size, indices):
+        """`indices`: what cached_blending_indices(weights, size) returns."""
+        self.datasets = datasets
         self.dataset_index, self.dataset_sample_index = indices
         # A size only cuts the greedy draw short; without one, the draw differs.
         self.order = {"weights": weights if size is None else normalize(weights),
@@ -649,9 +617,9 @@ class BlendedDataset:
 
 
 def first_samples_agree(a, b, count):
-    """Whether samples [0, count) of the GPT or blended datasets `a` and `b` are the same samples in
-    the same order. Their orders say it: equal orders are equal index arrays (a size only cuts them
-    short), and other epochs or weights shuffle or draw otherwise from the first sample on."""
+    """Whether samples [0, count) of GPT or blended datasets `a` and `b` are the same: equal orders
+    are equal index arrays (a size only cuts them short); other epochs or weights differ from the
+    first sample on."""
     return a.order == b.order and min(len(a), len(b)) >= count
 
 
@@ -661,35 +629,32 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch)."""
     sizes = [None if s is None else int(s) for s in sizes]
     builder = SplitsBuilder(paths, split, sizes, int(seq_length), int(seed), cache_dir, fallback_cache_dir)
-    if distributed()[1] == 1 or not builder.caches:
+    if distributed()[1] == 1:
         return builder.build()
     return build_in_turns(builder.build)
 
 
 def build_in_turns(build):
-    """build() on every rank: first on each node's leader, which writes the index cache (leaders on one
-    filesystem write the same entries, each through its own temporaries), then on the others, which
-    map it. A failure on any rank is raised on every rank in one line, so that none waits."""
+    """build() on every rank: first on each node's leader, which writes the index cache (leaders on
+    one filesystem write the same entries, each through its own temporaries), then on the others,
+    which map it. A failure on any rank is raised on every rank in one line, so that none waits."""
     import torch.distributed as dist  # a process group exists, so torch is already imported
-    rank, world_size = distributed()
-    result = None
+    result, failures = None, [None] * distributed()[1]
     for leaders_turn in (True, False):
-        error = None
+        error = failure = None
         if node_leader() == leaders_turn:
             try:
                 result = build()
             except Exception as raised:
-                error = raised
-        failures, failure = [None] * world_size, None
-        if error is not None:  # what the other ranks raise: the same kind of error, one line
-            kind = OSError if isinstance(error, OSError) else ValueError
-            failure = kind, str(error).splitlines()[0]
+                error = raised  # the others raise the same kind of error, in one line
+                kind = OSError if isinstance(error, OSError) else ValueError
+                failure = kind, str(error).splitlines()[0]
         dist.all_gather_object(failures, failure)
         if error is not None:
             raise error
-        for other, shared in enumerate(failures):
+        for rank, shared in enumerate(failures):
             if shared is not None:
-                raise shared[0](f"{shared[1]} (on rank {other})")
+                raise shared[0](f"{shared[1]} (on rank {rank})")
     return result
 
 
@@ -706,30 +671,22 @@ class SplitsBuilder:
             if missing:
                 raise ValueError(f"a weighted blend needs a size for every split; {missing} have None")
             self.weights = normalize(self.weights)
-        blended = len(self.prefixes) > 1 or self.weights is not None
-        self.dirs, self.blend_dir = cache_dirs(self.prefixes, cache_dir, fallback_cache_dir, blended)
-        self.caches = sorted({d for d in self.dirs + [self.blend_dir] if d is not None})
+        where = cache_dir, fallback_cache_dir
+        self.dirs = [cache_dir_for(p, "GPTDataset", *where) for p in self.prefixes]
+        self.blend_dir = None
+        if len(self.prefixes) > 1 or self.weights is not None:
+            self.blend_dir = cache_dir_for(self.prefixes[0], "BlendedDataset", *where)
 
     def build(self):
         if node_leader():
-            for directory in self.caches:
+            for directory in {d for d in self.dirs + [self.blend_dir] if d is not None}:
                 remove_stale_temporaries(directory)
         for dataset, directory in zip(self.datasets, self.dirs):
             check_once(dataset, directory)
-        # A weighted blend's index needs only the weights and the size: a helper thread builds it beside the
-        # datasets' indices, which hides most of its time on a cold start.
+        # A weighted blend's index needs only the weights and the size: a helper thread builds it
+        # beside the datasets' indices, which hides most of its time on a cold start.
         with concurrent.futures.ThreadPoolExecutor(1) as self.helper:
-            return tuple(self.split_dataset(i) for i in range(3))
-
-    def split_dataset(self, i):
-        """Split i, blended or not, or None; a log line when some of its indices were built."""
-        t0 = time.perf_counter()
-        dataset = self.blend(i) if self.matrix[i] else None
-        parts = getattr(dataset, "datasets", [dataset])
-        if any(part is not None and part.build_seconds is not None for part in parts):
-            log(f"{SPLITS[i]} indices of {len(parts)} prefix(es), {len(dataset):,} samples, built in "
-                f"{time.perf_counter() - t0:.2f}s")
-        return dataset
+            return tuple(self.blend(i) for i in range(3))
 
     def gpt_split(self, d, i, num_samples):
         """The GPTDataset of split i of datasets[d], or None when it yields no samples."""
@@ -745,15 +702,18 @@ class SplitsBuilder:
         return part if len(part) else None
 
     def blend(self, i):
+        """Split i, blended or not, or None when it has no samples."""
         size, indices = self.sizes[i], None
+        if self.matrix[i] is None:
+            return None
         if self.weights is None and len(self.prefixes) == 1:
             return self.gpt_split(0, i, size)
         if self.weights is not None:  # each dataset's share, built with megatron's 0.5% surplus
             targets = [math.ceil(size * w) for w in self.weights]
             weights, size = self.weights, sum(targets)
             if size:
-                indices = self.helper.submit(cached_blending_indices, weights, size, split=SPLITS[i],
-                                             cache_dir=self.blend_dir, names=self.prefixes)
+                indices = self.helper.submit(cached_blending_indices, weights, size, SPLITS[i],
+                                             self.blend_dir)
             parts = [self.gpt_split(d, i, math.ceil(n * (1 + 0.005))) for d, n in enumerate(targets)]
         else:  # one epoch of each, in proportion to their samples
             parts = [self.gpt_split(d, i, None) for d in range(len(self.datasets))]
@@ -765,9 +725,10 @@ class SplitsBuilder:
         if None in parts:  # megatron-core cannot blend an empty dataset either (it asserts)
             raise ValueError(f"{self.prefixes[parts.index(None)]}: its {SPLITS[i]} split ({self.split!r}) "
                              f"has no samples of {self.seq_length} tokens to take part in the blend")
-        if self.weights is not None:
-            indices = indices.result()
-        return BlendedDataset(parts, weights, size, split=SPLITS[i], cache_dir=self.blend_dir, indices=indices)
+        if indices is None:
+            indices = self.helper.submit(cached_blending_indices, weights, size, SPLITS[i],
+                                         self.blend_dir)
+        return BlendedDataset(parts, weights, size, indices.result())
 
 
 class TokenWindows:
