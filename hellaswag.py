@@ -3,6 +3,7 @@ mean cross-entropy, acc the lowest sum. --model is a hub name, an HF directory o
 import argparse
 import json
 import os
+import pathlib
 import sys
 import urllib.request
 from collections import namedtuple
@@ -22,29 +23,23 @@ Rendered = namedtuple("Rendered", "context endings label")  # one example as tok
 STOP_CHECK_EVERY = 4  # batches between two stop checks: each is a collective and a host sync
 
 
-def read_jsonl(path, data=None):
-    """Every example of a jsonl file (or of its bytes `data`); errors name the file and the line."""
-    if data is None:
-        with open(path, "rb") as f:
-            data = f.read()
+def read_jsonl(path, data):
+    """The examples in `data`, the bytes of jsonl file `path`; errors name the file and the line."""
     examples = []
     for line_number, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}, line {line_number}"
-        try:
-            example = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: not UTF-8 ({e})") from None
+        try:  # UnicodeDecodeError is a ValueError too
+            ex = json.loads(line.decode("utf-8"))
         except ValueError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
-        ex = example if isinstance(example, dict) else {}
-        endings = ex.get("endings")
+            raise ValueError(f"{where}: not UTF-8 JSON ({e})") from None
+        endings = isinstance(ex, dict) and ex.get("endings")
         four_strings = isinstance(endings, list) and [type(e) for e in endings] == [str] * 4
-        if not (isinstance(ex.get("ctx"), str) and four_strings and ex.get("label") in range(4)):
+        if not (four_strings and isinstance(ex.get("ctx"), str) and ex.get("label") in range(4)):
             raise ValueError(f"{where}: expected an object with 'ctx' (a string), 'endings' "
                              f"(4 strings) and 'label' (0-3)")
-        examples.append(example)
+        examples.append(ex)
     if not examples:
         raise ValueError(f"{path}: no HellaSwag examples in the file")
     return examples
@@ -54,7 +49,7 @@ def load_examples(path=None):
     """The examples of a local HellaSwag jsonl file, or of the validation set, downloaded once."""
     cached = os.path.join(os.environ.get("HELLASWAG_CACHE") or CACHE_DIR, "hellaswag_val.jsonl")
     if path is not None or os.path.isfile(cached):
-        return read_jsonl(path or cached)
+        return read_jsonl(path or cached, pathlib.Path(path or cached).read_bytes())
     os.makedirs(os.path.dirname(cached), exist_ok=True)
     try:
         with urllib.request.urlopen(HELLASWAG_URL, timeout=60) as response:
@@ -114,16 +109,13 @@ def ending_losses(model, rendered, *, device, autocast_dtype=None):
     return sums.view(-1, 4), means.view(-1, 4)
 
 
-def plan_batches(rendered, block_size, batch_size=None, batch_tokens=None):
-    """The examples of each forward: batch_size examples, or as many as fit batch_tokens (4 rows per
-    example, padded to the longest), at least one. Shortest first: similar lengths pad less."""
+def plan_batches(rendered, block_size, batch_tokens):
+    """The examples of each forward: as many as fit batch_tokens (4 rows per example, padded to the
+    longest), at least one. Shortest first: similar lengths pad less."""
     batches = [[]]
     for example in sorted(rendered, key=lambda ex: row_length(ex, block_size)):
         # Sorted, so this example's rows are the batch's longest: all its rows are padded to them.
-        if batch_size:
-            full = len(batches[-1]) == batch_size
-        else:
-            full = 4 * (len(batches[-1]) + 1) * row_length(example, block_size) > batch_tokens
+        full = 4 * (len(batches[-1]) + 1) * row_length(example, block_size) > batch_tokens
         if full and batches[-1]:
             batches.append([])
         batches[-1].append(example)
@@ -132,10 +124,10 @@ def plan_batches(rendered, block_size, batch_size=None, batch_tokens=None):
 
 @torch.no_grad()
 def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=None, limit=None,
-             batch_size=None, batch_tokens=8192, progress=False, stopped=None):
-    """Accuracy on the first `limit` examples (dicts or Rendered), batch_size examples or
-    batch_tokens padded tokens per forward. Rank r scores examples i % world_size == r; every rank
-    returns the all_reduced dict, or None once `stopped()` (a collective) says so."""
+             batch_tokens=8192, progress=False, stopped=None):
+    """Accuracy on the first `limit` examples (dicts or Rendered), batch_tokens padded tokens per
+    forward. Rank r scores examples i % world_size == r; every rank returns the all_reduced dict,
+    or None once `stopped()` (a collective) says so."""
     if model.config.vocab_size < VOCAB_SIZE:
         raise ValueError(f"HellaSwag needs GPT-2's vocabulary, not {model.config.vocab_size}")
     rendered = examples[:limit]
@@ -144,7 +136,7 @@ def evaluate(model, examples, *, device, rank=0, world_size=1, autocast_dtype=No
     # Every rank plans every rank's batches, with no collective, so that all run as many forwards:
     # a sharded (FSDP) forward is collective. A rank out of examples scores a dummy with label -1.
     block_size = model.config.block_size
-    plans = [plan_batches(rendered[r::world_size], block_size, batch_size, batch_tokens)
+    plans = [plan_batches(rendered[r::world_size], block_size, batch_tokens)
              for r in range(world_size)]
     num_batches = max(len(plan) for plan in plans)
     mine = plans[rank] + [[]] * (num_batches - len(plans[rank]))

@@ -114,7 +114,6 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- the loss head
 
-
 def chunk_loss(logits, targets):
     """The summed loss of one chunk of rows: logits (rows, vocab_size) in the matmul's dtype,
     targets (rows,) with -100 where a position is not scored. Edit this to change the loss (a
@@ -199,7 +198,6 @@ def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, 
 
 
 # ----------------------------------------------------------------------------- the model
-
 
 class GPT(nn.Module):
 
@@ -328,11 +326,9 @@ def local_block(param):
 
 # ------------------------------------------------------------------------- Hugging Face GPT-2 files
 
-
 # Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
-
 
 # config.json's keys and the GPTConfig fields they set; n_positions comes after n_ctx, so it wins
 HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size",
@@ -354,10 +350,8 @@ def from_pretrained(name_or_path, padded_vocab_size=None):
 def resolve_pretrained(name_or_path):
     """(local directory, GPTConfig) of a Hugging Face directory or hub id; reads no weights."""
     directory = name_or_path
-    if os.path.isfile(directory):
-        raise ValueError(f"{directory}: a file; expected a model directory or a hub id")
     if not os.path.isdir(directory):
-        if directory.startswith((".", "/", "~")):
+        if os.path.exists(directory) or directory.startswith((".", "/", "~")):
             raise FileNotFoundError(f"{directory}: no such model directory")
         try:  # the config and the safetensors only: never a pickle, nor another framework's weights
             patterns = ["config.json", "*.safetensors", "*.safetensors.index.json"]
@@ -372,9 +366,7 @@ def resolve_pretrained(name_or_path):
                                 f"checkpoint, out_dir/ckpt/step_N)")
     try:
         return directory, config_from_hf(json.loads(pathlib.Path(path).read_text()))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from e
-    except ValueError as e:  # what is wrong with the config, prefixed by its path
+    except ValueError as e:  # not JSON, or a config we do not compute: one line naming the file
         raise ValueError(f"{path}: {e}") from e
 
 
@@ -385,9 +377,6 @@ def config_from_hf(hf):
     if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
         raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); "
                          f"only GPT-2 is supported")
-    if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
-        raise ValueError(f"unsupported activation_function {hf['activation_function']!r}; "
-                         f"model.ACTIVATIONS has {', '.join(ACTIVATIONS)}")
     # the values of these keys that the model implements, the default first
     supported = dict(scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
                      n_inner=(None, 4 * hf.get("n_embd", 768)))
@@ -398,41 +387,33 @@ def config_from_hf(hf):
     return GPTConfig(**{field: hf[key] for key, field in HF_CONFIG_KEYS.items() if key in hf})
 
 
-def weight_files(directory):
-    """(a name for messages, the safetensors files) of a Hugging Face directory, sharded or not."""
+def tensor_sources(directory, config):
+    """Our parameter name -> (the file's key, the file) of a Hugging Face directory's safetensors,
+    sharded or not, checked against `config`'s shapes."""
     where = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(where):
-        return where, [where]
-    where = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.isfile(where):
+        where += ".index.json"  # a sharded model: the index names its files
     if not os.path.isfile(where):
         raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors"
                                 ".index.json; convert a pytorch_model.bin to safetensors first)")
-    try:
-        files = sorted(set(json.loads(pathlib.Path(where).read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{where}: not a safetensors index (expected JSON with a weight_map; "
-                         f"{e!r})") from e
-    return f"{where} ({len(files)} shards)", [os.path.join(directory, name) for name in files]
-
-
-def tensor_sources(config, where, paths):
-    """Our parameter name -> (the file's key, the file), checked against `config`'s shapes."""
-    shapes, sources = {}, {}
-    try:
+    shapes, sources, path = {}, {}, where
+    try:  # whatever the parser says, the file is the problem: name it
+        paths = [where]
+        if where.endswith(".json"):
+            weight_map = json.loads(pathlib.Path(where).read_text())["weight_map"]
+            paths = [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
         for path in paths:
             with safe_open(path, "pt") as f:  # reads the header only
                 for key in f.keys():
                     shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
-    except Exception as e:  # whatever the parser says, the file is the problem: name it
+    except Exception as e:
         raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
     # Hub files name keys with or without "transformer.", hold lm_head.weight or not, and older
     # ones hold the attention's causal-mask buffers, which are not weights.
     ours = {}
     for key in shapes:
-        if key.endswith((".attn.bias", ".attn.masked_bias")):
-            continue
-        name = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
-        ours[name] = key
+        if not key.endswith((".attn.bias", ".attn.masked_bias")):
+            ours[key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key] = key
     expected = _hf_shapes(config)
     problems = [f"missing tensor {name}" for name in expected if name not in ours]
     expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight, if stored
@@ -441,11 +422,8 @@ def tensor_sources(config, where, paths):
             problems.append(f"unexpected tensor {key}")
         elif shapes[key] != expected[name]:
             problems.append(f"{key} has shape {shapes[key]}, expected {expected[name]}")
-    if problems:
-        listed = "; ".join(problems[:5])
-        if len(problems) > 5:
-            listed += f"; and {len(problems) - 5} more"
-        raise ValueError(f"{where}: does not match its config.json ({listed})")
+    if problems:  # the first five: a file of another size has a problem in every tensor
+        raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])})")
     return {name: (key, sources[key]) for name, key in ours.items()}
 
 
@@ -453,16 +431,14 @@ def tensor_sources(config, where, paths):
 def load_hf_sharded(model, name_or_path):
     """Fill `model`, plain or FSDP2 (every rank calls), each rank reading only its own rows."""
     directory, config = resolve_pretrained(name_or_path)
-    differ = []
-    for field in dataclasses.asdict(config):  # padded_vocab_size is ours to choose
-        ours, theirs = getattr(model.config, field), getattr(config, field)
-        if field != "padded_vocab_size" and ours != theirs:
-            differ.append(f"{field} {ours} (file: {theirs})")
+    theirs = dataclasses.asdict(config)  # padded_vocab_size is ours to choose
+    differ = [f"{field} {ours} (file: {theirs[field]})" for field, ours in
+              dataclasses.asdict(model.config).items()
+              if field != "padded_vocab_size" and ours != theirs[field]]
     if differ:
         raise ValueError(f"{directory}/config.json: the model to load into differs: "
                          f"{', '.join(differ)}")
-    where, paths = weight_files(directory)
-    sources = tensor_sources(config, where, paths)
+    sources = tensor_sources(directory, config)
 
     def read(name, index):  # the block `index` (slices) of the file's tensor for our `name`
         key, path = sources[name]
@@ -488,8 +464,8 @@ def load_hf_sharded(model, name_or_path):
     if any(isinstance(p, DTensor) for p in params.values()):  # so that every rank fails alike
         dist.all_reduce(untied)
     if untied.item():
-        raise ValueError(f"{where}: lm_head.weight differs from wte.weight (untied embeddings are "
-                         f"not supported)")
+        raise ValueError(f"{sources['lm_head.weight'][1]}: lm_head.weight differs from wte.weight "
+                         f"(untied embeddings are not supported)")
 
 
 def _hf_shapes(config):
@@ -516,15 +492,6 @@ def hf_config(cfg, dtype):
             "eos_token_id": endoftext, "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
-def replaceable(directory):
-    """Whether export_hf may replace `directory`: nothing, an empty directory, or an export."""
-    if not os.path.exists(directory):
-        return True
-    if not os.path.isdir(directory):
-        return False
-    return not os.listdir(directory) or os.path.isfile(os.path.join(directory, "config.json"))
-
-
 @torch.no_grad()
 def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped
@@ -535,8 +502,10 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
     writer = not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
     new = os.path.join(parent, f".{base}.{os.getpid()}.tmp")
-    if writer and not replaceable(directory):
-        raise ValueError(f"{directory}: exists and is not a model directory; not replaced")
+    is_export = os.path.isfile(os.path.join(directory, "config.json"))
+    if writer and os.path.exists(directory) and not is_export:  # else nothing, or an export
+        if not os.path.isdir(directory) or os.listdir(directory):  # an empty directory may go
+            raise ValueError(f"{directory}: exists and is not a model directory; not replaced")
     if writer and os.path.isdir(parent):
         for name in os.listdir(parent):  # what a killed export left behind
             if re.fullmatch(rf"\.{re.escape(base)}\.\d+\.(tmp|old)", name):
@@ -652,15 +621,10 @@ def check_checkpoint(path):
         for file, size in json.loads(pathlib.Path(name).read_text())["sizes"].items():
             name = os.path.join(path, file)
             actual = os.path.getsize(name)
-            if actual < size:
-                return f"{name}: truncated ({actual} bytes, {size} when written)"
-            if actual > size:
-                return f"{name}: changed ({actual} bytes, {size} when written)"
+            if actual != size:
+                return f"{name}: truncated or changed ({actual} bytes, {size} when written)"
         name = os.path.join(path, "train_state.json")
-        state = read_train_state(path)
-        for key in ("step", "consumed_samples", "model_config"):
-            if key not in state:
-                return f"{name}: no '{key}'"
+        read_train_state(path)
         return None
     except Exception as e:  # any way a file can be unreadable: missing, empty, not JSON
         return f"{name}: {type(e).__name__}: {e}"

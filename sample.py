@@ -2,7 +2,6 @@
 
     python sample.py --model gpt2 --prompt "Hello, I'm a language model," --temperature 0.8"""
 import argparse
-import math
 import sys
 
 import torch
@@ -42,7 +41,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 1 or args.top_k < 0:
         parser.error("--num-samples and --max-new-tokens must be at least 1, --top-k at least 0")
-    if not 0 <= args.temperature < math.inf:  # nan fails both comparisons
+    if not 0 <= args.temperature < float("inf"):  # nan fails both comparisons
         parser.error(f"--temperature must be >= 0 and finite, got {args.temperature}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():  # before the slow load
         parser.error(f"--device {args.device}: torch sees no CUDA GPU here; use --device cpu")

@@ -79,8 +79,8 @@ def test_scores_match_transformers(tmp_path, n_positions):
     torch.testing.assert_close(means, torch.tensor(ref_means), atol=1e-5, rtol=1e-5)
 
     expected = expected_result(ref_sums, ref_means, examples)
-    for batch_size in (1, 3):
-        assert hellaswag.evaluate(ours, examples, device="cpu", batch_size=batch_size) == expected
+    for batch_tokens in (1, 300):  # one example per forward, then up to three
+        assert hellaswag.evaluate(ours, examples, device="cpu", batch_tokens=batch_tokens) == expected
     limited = hellaswag.evaluate(ours, examples, device="cpu", limit=5)
     assert limited == expected_result(ref_sums[:5], ref_means[:5], examples[:5])
 
@@ -111,8 +111,8 @@ def test_batched_equals_one_ending_per_forward(hf_dir, source):
     torch.testing.assert_close(means, torch.tensor(ref_means), atol=1e-5, rtol=0)
     torch.testing.assert_close(sums, torch.tensor(ref_sums), atol=1e-4, rtol=0)
     expected = expected_result(ref_sums, ref_means, examples)
-    for batch_size in (1, 2, 4, 16):
-        assert hellaswag.evaluate(model, rendered, device="cpu", batch_size=batch_size) == expected
+    for batch_tokens in (1, 200, 400, 8192):  # one example per forward, up to 2, 3, then all 11
+        assert hellaswag.evaluate(model, rendered, device="cpu", batch_tokens=batch_tokens) == expected
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_rendered_once_then_reused(hf_dir, monkeypatch):
 
     monkeypatch.setattr(hellaswag, "gpt2_encoding", no_tokenizer)
     assert hellaswag.evaluate(model, rendered, device="cpu", limit=6) == expected
-    assert hellaswag.evaluate(model, rendered, device="cpu", limit=6, batch_size=5) == expected
+    assert hellaswag.evaluate(model, rendered, device="cpu", limit=6, batch_tokens=400) == expected
 
 
 def test_autocast_bf16_close_to_fp32(hf_dir):
@@ -159,7 +159,7 @@ def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
     """The training loop passes `stopped` (a collective over its ranks): once it answers True no batch more runs."""
     model, calls = from_pretrained(hf_dir), []
     asked = lambda: calls.append(1) or len(calls) > 2  # noqa: E731 (stop before the third batch)
-    assert hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", batch_size=1,
+    assert hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", batch_tokens=1,
                               stopped=asked) is None
     assert len(calls) == 3 and model.training
 
@@ -167,7 +167,7 @@ def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
 @pytest.mark.slow
 def test_two_ranks_give_the_counts_of_one(hf_dir, tmp_path):
 
-    # 9 examples, 2 per forward: rank 0 scores 5 (3 forwards), rank 1 scores 4 (2 forwards + 1 to keep FSDP in step)
+    # 9 examples, one per forward: rank 0 scores 5 (5 forwards), rank 1 scores 4 (4 forwards + 1 to keep FSDP in step)
     expected = hellaswag.evaluate(from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=9)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), hf_dir, str(tmp_path)]
@@ -190,12 +190,12 @@ def distributed_worker(hf_dir, out_dir):
     examples = hellaswag.load_examples(FIXTURE)
     model = from_pretrained(hf_dir)
     results = {"plain": hellaswag.evaluate(model, examples, device="cpu", rank=rank, world_size=world_size, limit=9,
-                                           batch_size=2)}
+                                           batch_tokens=1)}
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
     results["fsdp"] = hellaswag.evaluate(model, examples, device="cpu", rank=rank, world_size=world_size, limit=9,
-                                         batch_size=2)
+                                         batch_tokens=1)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     # Free what refers to the process group (FSDP state) first: gloo otherwise aborts now and then

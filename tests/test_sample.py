@@ -69,7 +69,7 @@ def test_cli(hf_dir, capsys, tmp_path):
     with pytest.raises(SystemExit, match=r"empty_dir.*config\.json"):
         sample.main(["--model", str(tmp_path / "empty_dir")])
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(SystemExit, match=r"notes\.txt: a file"):
+    with pytest.raises(SystemExit, match=r"notes\.txt: no such model directory"):
         sample.main(["--model", str(tmp_path / "notes.txt")])
     for bad in ("-1", "nan", "inf", "-inf"):  # refused before the model is read, not a RuntimeError from sampling
         with pytest.raises(SystemExit):
