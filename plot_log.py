@@ -115,8 +115,10 @@ def main(argv=None):
         runs = [(label, parse_log(path)) for label, path in zip(labels, args.logs)]
         references = [(os.path.basename(os.path.abspath(p)), parse_log(p)) for p in args.reference]
         plot(runs, args.output, loss_max=args.loss_max, references=references)
-    except (OSError, ValueError) as e:  # each names its file, -o's too ("cannot write F: why")
+    except (FileNotFoundError, ValueError) as e:
         sys.exit(f"plot_log.py: error: {e}")
+    except OSError as e:  # -o under a file, in a read-only directory, on a full disk
+        sys.exit(f"plot_log.py: error: -o {args.output}: {e}")
     for label, streams in runs + references:
         bests = []
         for key, name, best in STREAMS:

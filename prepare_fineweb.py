@@ -417,12 +417,11 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes")
     parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES, help="text per worker task")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.chunk_bytes < 1 or (args.val_tokens or 0) < 0:
+    if args.val_tokens is None:  # llm.c's val shard for the hub's datasets, none for your own
+        args.val_tokens = 0 if args.input else HUB_VAL_TOKENS
+    if args.workers < 1 or args.chunk_bytes < 1 or args.val_tokens < 0:
         parser.error("--workers and --chunk-bytes must be at least 1, --val-tokens at least 0")
     output_dir = args.output_dir or os.path.join(args.data_dir, "megatron_gpt2")
-    val_tokens = args.val_tokens
-    if val_tokens is None:  # llm.c's val shard for the hub's datasets, none for the user's own
-        val_tokens = 0 if args.input else HUB_VAL_TOKENS
     try:
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ValueError(f"{output_dir}: a file, not a directory; choose another --output-dir")
@@ -431,7 +430,7 @@ def main(argv=None):
         else:
             inputs = download(args.dataset, args.sample, args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers,
-                chunk_bytes=args.chunk_bytes, val_tokens=val_tokens)
+                chunk_bytes=args.chunk_bytes, val_tokens=args.val_tokens)
     except (ValueError, OSError) as e:  # ours name their file, WriteError's too ("cannot write F")
         sys.exit(f"prepare_fineweb.py: error: {e}")
     except KeyboardInterrupt:

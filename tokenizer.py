@@ -23,9 +23,7 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
     from tiktoken_ext.openai_public import r50k_pat_str
 
     for name, expected in SHA256.items():
-        path = os.path.join(bpe_dir, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: GPT-2 BPE file missing (it ships in data/gpt2_bpe/)")
+        path = os.path.join(bpe_dir, name)  # a missing one is a FileNotFoundError naming it
         actual = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
         if actual != expected:
             raise ValueError(f"{path}: sha256 {actual} is not GPT-2's; the file is corrupt")
