@@ -40,16 +40,17 @@ def lock_file(path):
     return fd
 
 
-def remove_stale_temporaries(directory):
+def remove_stale_temporaries(directory, keep_empty=True):
     """Remove the temporaries (.*.tmp) in `directory` whose writers died (kill -9): those whose
-    flock can be taken. An empty one may be a live writer's before its flock, so it stays."""
+    flock can be taken. An empty one may be a live writer's before its flock, so it stays, unless
+    the caller's own lock keeps every other writer out of `directory` (keep_empty=False)."""
     names = os.listdir(directory) if os.path.isdir(directory) else []
     for path in [os.path.join(directory, n) for n in names if n[0] == "." and n.endswith(".tmp")]:
         with contextlib.suppress(OSError):  # held by a live writer, or removed by another cleaner
             fd = os.open(path, os.O_RDONLY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if os.fstat(fd).st_size:
+                if os.fstat(fd).st_size or not keep_empty:
                     os.remove(path)
             finally:
                 os.close(fd)
@@ -76,7 +77,7 @@ def atomic_path(path, errors=OSError, durable=True):
     """Yield a temporary name, random rather than the pid (containers share pids), flocked while written so
     that remove_stale_temporaries leaves it; on success fsync it unless not `durable`, rename it to `path`."""
     directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{secrets.randbits(63)}.tmp")  # digits, as prepare_fineweb expects
+    tmp = os.path.join(directory, f".{name}.{secrets.randbits(63)}.tmp")
     fd = None
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)

@@ -69,7 +69,7 @@ def plot(runs, out_path, loss_max=None, references=()):
             if key not in axes or not streams.get(key):
                 continue
             # The best point is marked and put in the legend: text by the curves would overlap them.
-            point, color, legend = extreme(streams[key], best), f"C{i % 10}", f"{label} {name}"
+            point, color, legend = extreme(streams[key], best), f"C{i}", f"{label} {name}"
             if point:
                 axes[key].plot(*point, color=color, marker="*", ms=12, mec="black")
                 legend += f" ({best.__name__} {point[1]:.4f} @ {point[0]})"
@@ -80,8 +80,7 @@ def plot(runs, out_path, loss_max=None, references=()):
             if streams.get(key):
                 value = streams[key][0][1]
                 legend = f"{label} {name} on these val tokens ({value:.4f}, eval_only)"
-                color = f"C{(len(runs) + i) % 10}"
-                baselines.setdefault(key, []).append((value, color, "-.", legend))
+                baselines.setdefault(key, []).append((value, f"C{len(runs) + i}", "-.", legend))
     for key in PUBLISHED.keys() & axes.keys():
         for value, color, linestyle, label in baselines.get(key) or PUBLISHED[key]:
             axes[key].axhline(value, color=color, linestyle=linestyle, linewidth=1.5, label=label)

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from atomic_io import LockHeld, WriteError, atomic_path, atomic_write, lock_file
+from atomic_io import LockHeld, atomic_path, atomic_write, lock_file, remove_stale_temporaries
 from indexed_dataset import IndexedDataset, IndexedDatasetBuilder, usable_cores
 from tokenizer import EOT_ID, SHA256, gpt2_encoding
 
@@ -45,8 +45,6 @@ CHUNK_BYTES = 1 << 20
 CUT = {"jsonl": re.compile(rb"(?s:.*\n)?"), "txt": re.compile(rb"(?s:.*\n[ \t\r\f\v]*\n)?")}
 TEXT_DOCUMENT = re.compile(rb"(?:^[^\S\n]*\S[^\n]*\n?)+", re.MULTILINE)  # a run of non-blank lines
 OUTPUT_FILE = re.compile(r"((?:processed_data_\d+|val)_text_document)\.(?:bin|idx)")  # [1]: prefix
-OUR_FILE = re.compile(rf"{OUTPUT_FILE.pattern}|summary\.json")
-TEMPORARY_FILE = re.compile(rf"\.({OUR_FILE.pattern})\.\d+\.tmp")  # atomic_io's name while writing
 EOT_ARRAY = np.array([EOT_ID], dtype=np.uint32)
 # summary.json's totals over all outputs
 SUMMED = ("documents", "tokens", "empty_skipped", "invalid_utf8", "input_bytes", "output_bytes")
@@ -80,18 +78,20 @@ def download(dataset, sample, data_dir):
     return files
 
 
-def find_inputs(pattern, output_dir=None):
-    """The files matching `pattern` (a path or a glob, ** allowed), sorted, but for our outputs."""
-    ours = output_dir and os.path.realpath(output_dir)
+def find_inputs(pattern):
+    """The files matching `pattern` (a path or a glob, ** allowed), sorted. Files named as our
+    outputs are left out: --input 'data/**' with the outputs in data/megatron_gpt2 must not read
+    them back."""
     files = []
     for path in sorted(glob.glob(pattern, recursive=True)):
-        directory, name = os.path.split(path)
-        # --input 'data/**' with the outputs in data/megatron_gpt2 must not read them back
-        ours_here = OUR_FILE.fullmatch(name) and os.path.realpath(directory) == ours
-        if os.path.isfile(path) and not ours_here:
+        name = os.path.basename(path)
+        if os.path.isfile(path) and not (OUTPUT_FILE.fullmatch(name) or name == "summary.json"):
             files.append(path)
     if not files:
         raise FileNotFoundError(f"--input {pattern!r} matches no file")
+    for path in files:  # a stray file in the glob stops the run before any work, not after hours
+        if not path.endswith(INPUT_SUFFIXES):
+            raise ValueError(f"{path}: unsupported input type, not one of {INPUT_SUFFIXES}")
     return files
 
 
@@ -147,9 +147,8 @@ def parquet_tasks(path, text_key, chunk_bytes):
             # A bigger one is read here, a task per chunk_bytes, so that the workers share it.
             batch_rows = max(1, group_rows * chunk_bytes // text_bytes)
             for batch in parquet.iter_batches(batch_rows, [group], [text_key]):
-                texts = batch.column(0)
-                rows += len(texts)
-                yield (path, "parquet", text_key, 0, texts), size * rows // total_rows
+                rows += batch.num_rows
+                yield (path, "parquet", text_key, 0, batch.column(0)), size * rows // total_rows
 
 
 def text_tasks(path, text_key, chunk_bytes):
@@ -217,38 +216,26 @@ def encode_task(task):
     return np.concatenate(pieces).astype(np.uint16), np.array(lengths, dtype=np.int64), counts
 
 
-def all_tasks(todo, text_key, chunk_bytes):
-    """Yield (index, task, byte position reached) of the inputs {index: path}; task None: an end."""
-    for index, path in todo.items():
-        read_tasks = parquet_tasks if path.endswith(".parquet") else text_tasks
-        for task, position in read_tasks(path, text_key, chunk_bytes):
-            yield index, task, position
-        yield index, None, os.path.getsize(path)
-
-
 def document_stream(pool, todo, text_key, chunk_bytes, workers, counts, bar):
-    """Yield (index, tokens) of each document of the inputs {index: path}; tokens None: an end."""
-    tasks = all_tasks(todo, text_key, chunk_bytes)
-    pending = collections.deque()  # (index, position, the task's AsyncResult or None at an end)
+    """Yield (index, tokens) of each document of the inputs {index: path}, in order, and (index,
+    None) at the end of each input. Two tasks in flight per worker keep each of them busy;
+    Pool.imap would read every input ahead."""
+    def sent_tasks():  # (index, the task's result or None at an end, bytes of all inputs read)
+        done = 0
+        for index, path in todo.items():
+            read_tasks = parquet_tasks if path.endswith(".parquet") else text_tasks
+            for task, position in read_tasks(path, text_key, chunk_bytes):
+                yield index, pool.apply_async(encode_task, (task,)), done + position
+            done += os.path.getsize(path)
+            yield index, None, done
 
-    def send_next_task():
-        item = next(tasks, None)
-        if item is not None:
-            index, task, position = item
-            result = None if task is None else pool.apply_async(encode_task, (task,))
-            pending.append((index, position, result))
-
-    # Two tasks in flight per worker, so that none waits; Pool.imap would read every input ahead.
-    for _ in range(2 * workers):
-        send_next_task()
-    file_position = 0
+    tasks = sent_tasks()
+    pending = collections.deque(itertools.islice(tasks, 2 * workers))
     while pending:
-        index, position, result = pending.popleft()
-        send_next_task()  # read and sent while this one is collected
-        bar.update(position - file_position)
-        file_position = position
-        if result is None:  # the end of input `index`
-            file_position = 0
+        index, result, position = pending.popleft()
+        pending.extend(itertools.islice(tasks, 1))  # read and sent while this one is collected
+        bar.update(position - bar.n)
+        if result is None:
             yield index, None
             continue
         task_tokens, lengths, task_counts = result.get()
@@ -319,11 +306,10 @@ def kept_outputs(inputs, output_dir, fingerprints, with_val):
                 files[index] = dict(entry, kept=True)
         if not with_val:
             return None, files, earlier
-        # val is kept only with the outputs of every input it drew from: theirs start where it ends.
-        val, last = earlier["val"], earlier["val"]["last_input"]
-        same_inputs = all(index in files for index in range(last + 1))
-        same_inputs = same_inputs and val["fingerprint"] == fingerprints[last]
-        if same_inputs and finished(os.path.join(output_dir, "val_text_document"), val):
+        # val is kept with the output of the input it ended in, which starts where val ends: that
+        # input's fingerprint covers the inputs before it, which went to val whole.
+        val, val_prefix = earlier["val"], os.path.join(output_dir, "val_text_document")
+        if val["last_input"] in files and finished(val_prefix, val):
             return dict(val, kept=True), files, earlier
     return None, {}, {}
 
@@ -348,15 +334,26 @@ def write_output(prefix, documents):
     return entry
 
 
+def write_summary(output_dir, start, options, val, files, complete):
+    """summary.json: the totals, then each output's entry, which the next run's resume reads."""
+    entries = [files[index] for index in sorted(files)]
+    outputs = [entry for entry in [*entries, val] if entry]
+    summary = {key: sum(entry.get(key, 0) for entry in outputs) for key in SUMMED}
+    summary.update(finished=complete, seconds=round(time.time() - start, 3), options=options,
+                   val=val, files=entries)
+    with atomic_write(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
 def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK_BYTES,
             val_tokens=0):
     """Tokenize `inputs` into output_dir, keeping what an earlier run finished."""
     start = time.time()
     os.makedirs(output_dir, exist_ok=True)
     with locked(output_dir) as lock:
-        for name in os.listdir(output_dir):  # what a killed run was writing (a live one is locked)
-            if TEMPORARY_FILE.fullmatch(name):
-                os.remove(os.path.join(output_dir, name))
+        # What a killed run was writing: the lock keeps every other writer out, so it all goes.
+        remove_stale_temporaries(output_dir, keep_empty=False)
         options = {"format": FORMAT, "tokenizer": "gpt2 (tiktoken encode_ordinary) + EOT 50256",
                    "bpe_sha256": SHA256, "text_key": text_key, "dtype": "uint16",
                    "val_tokens": val_tokens}
@@ -370,24 +367,6 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             return dict(earlier, val=val, files=[files[index] for index in sorted(files)])
         for index, entry in sorted(files.items()):
             print(f"{entry['output'] or inputs[index]}: finished by an earlier run, kept")
-        for path in todo.values():  # fail before any work starts if a file cannot be read at all
-            if not path.endswith(INPUT_SUFFIXES):
-                raise ValueError(f"{path}: unsupported input type, not one of {INPUT_SUFFIXES}")
-            opened = open_parquet(path, text_key) if path.endswith(".parquet") else open(path, "rb")
-            opened.close()
-
-        def save(finished):
-            entries = [files[index] for index in sorted(files)]
-            outputs = [entry for entry in [*entries, val] if entry]
-            summary = {key: sum(entry.get(key, 0) for entry in outputs) for key in SUMMED}
-            seconds = time.time() - start
-            tokenized = sum(entry["tokens"] for entry in outputs if not entry["kept"])
-            summary.update(finished=finished, seconds=round(seconds, 3), workers=workers,
-                           options=options, val=val, files=entries,
-                           tokens_per_second=round(tokenized / max(seconds, 1e-9)))
-            with atomic_write(os.path.join(output_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
-            return summary
 
         counts = {index: collections.Counter(empty_skipped=0, invalid_utf8=0, input_documents=0)
                   for index in todo}
@@ -399,17 +378,16 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             if val_tokens and val is None:  # then todo is every input: the stream starts at input 0
                 val_prefix = os.path.join(output_dir, "val_text_document")
                 val = write_output(val_prefix, val_documents(stream, val_tokens, seen))
-                val.update(last_input=seen[-1], fingerprint=fingerprints[seen[-1]])
+                val["last_input"] = seen[-1]
             for index, path in todo.items():
                 documents = iter(()) if index < seen[-1] else documents_of_one_input(stream)
                 written = write_output(output_prefix(output_dir, index), documents)
                 files[index] = dict(index=index, input=path, input_name=os.path.basename(path),
                                     **written, fingerprint=fingerprints[index], **counts[index],
                                     input_bytes=os.path.getsize(path))
-                save(finished=False)
+                write_summary(output_dir, start, options, val, files, complete=False)
                 if not counts[index]["input_documents"]:
                     tqdm.write(f"{path}: warning: no documents, so no output", file=sys.stderr)
-        summary = save(finished=True)
         # The outputs of inputs no longer given go: a glob over the directory would find them.
         made = {os.path.basename(entry["output"]) for entry in [val, *files.values()]
                 if entry and entry["output"]}
@@ -418,6 +396,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             if match and match[1] not in made:
                 os.remove(os.path.join(output_dir, name))
                 print(f"{output_dir}/{name}: made from an input that is no longer given, removed")
+        summary = write_summary(output_dir, start, options, val, files, complete=True)
         print(f"{output_dir}: " + "{documents:,} documents, {tokens:,} tokens, {seconds:,.1f} s; "
               "{empty_skipped:,} empty texts skipped, {invalid_utf8:,} with invalid UTF-8 replaced"
               .format_map(summary))
@@ -438,25 +417,22 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=usable_cores(), help="tokenizer processes")
     parser.add_argument("--chunk-bytes", type=int, default=CHUNK_BYTES, help="text per worker task")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.chunk_bytes < 1 or (args.val_tokens or 0) < 0:
+    if args.val_tokens is None:  # llm.c's val shard for the hub's datasets, none for your own
+        args.val_tokens = 0 if args.input else HUB_VAL_TOKENS
+    if args.workers < 1 or args.chunk_bytes < 1 or args.val_tokens < 0:
         parser.error("--workers and --chunk-bytes must be at least 1, --val-tokens at least 0")
     output_dir = args.output_dir or os.path.join(args.data_dir, "megatron_gpt2")
-    default_val_tokens = 0 if args.input else HUB_VAL_TOKENS  # llm.c's val shard for the hub's
-    val_tokens = default_val_tokens if args.val_tokens is None else args.val_tokens
     try:
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ValueError(f"{output_dir}: a file, not a directory; choose another --output-dir")
         if args.input:
-            inputs = find_inputs(args.input, output_dir)
+            inputs = find_inputs(args.input)
         else:
             inputs = download(args.dataset, args.sample, args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers,
-                chunk_bytes=args.chunk_bytes, val_tokens=val_tokens)
-    except (ValueError, OSError) as e:
-        message = str(e)  # our one-line errors, and WriteError's "cannot write <file>: <reason>"
-        if getattr(e, "filename", None) and not isinstance(e, WriteError):
-            message = f"{e.filename}: {e.strerror}"  # a raw OSError: its file first, not its errno
-        sys.exit(f"prepare_fineweb.py: error: {message}")
+                chunk_bytes=args.chunk_bytes, val_tokens=args.val_tokens)
+    except (ValueError, OSError) as e:  # ours name their file, WriteError's too ("cannot write F")
+        sys.exit(f"prepare_fineweb.py: error: {e}")
     except KeyboardInterrupt:
         sys.exit("prepare_fineweb.py: interrupted; run the same command again to resume")
 

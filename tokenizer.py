@@ -23,9 +23,7 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
     from tiktoken_ext.openai_public import r50k_pat_str
 
     for name, expected in SHA256.items():
-        path = os.path.join(bpe_dir, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: GPT-2 BPE file missing (it ships in data/gpt2_bpe/)")
+        path = os.path.join(bpe_dir, name)  # a missing one is a FileNotFoundError naming it
         actual = hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()
         if actual != expected:
             raise ValueError(f"{path}: sha256 {actual} is not GPT-2's; the file is corrupt")
@@ -39,10 +37,11 @@ def gpt2_encoding(bpe_dir=BPE_DIR):
 # No clean-up of spaces before punctuation, so that decode gives back what tiktoken decodes.
 EOT_TOKEN = {"content": EOT, "lstrip": False, "normalized": True, "rstrip": False,
              "single_word": False, "special": True}
+SPECIAL_TOKENS = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
 HF_TOKENIZER_CONFIG = {
-    "tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
-    "pad_token": None, "add_bos_token": False, "add_prefix_space": False, "errors": "replace",
-    "clean_up_tokenization_spaces": False, "added_tokens_decoder": {str(EOT_ID): EOT_TOKEN},
+    "tokenizer_class": "GPT2Tokenizer", **SPECIAL_TOKENS, "pad_token": None, "add_bos_token": False,
+    "add_prefix_space": False, "errors": "replace", "clean_up_tokenization_spaces": False,
+    "added_tokens_decoder": {str(EOT_ID): EOT_TOKEN},
 }
 
 
@@ -63,13 +62,12 @@ def write_hf_tokenizer(directory, bpe_dir=BPE_DIR, model_max_length=1024):
                   "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
                   "vocab": json.loads(vocab), "merges": merges.decode("utf-8").split("\n")[1:-1]},
     }
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     config = dict(HF_TOKENIZER_CONFIG, model_max_length=model_max_length)
     os.makedirs(directory, exist_ok=True)
     files = {"vocab.json": vocab, "merges.txt": merges,
              "tokenizer.json": json.dumps(fast, ensure_ascii=False).encode("utf-8"),
              "tokenizer_config.json": json.dumps(config, indent=2).encode() + b"\n",
-             "special_tokens_map.json": json.dumps(special, indent=2).encode() + b"\n"}
+             "special_tokens_map.json": json.dumps(SPECIAL_TOKENS, indent=2).encode() + b"\n"}
     for name, content in files.items():
         with atomic_write(os.path.join(directory, name)) as f:
             f.write(content)

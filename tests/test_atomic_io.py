@@ -145,4 +145,6 @@ def test_only_temporaries_of_dead_writers_are_removed(tmp_path):
         remove_stale_temporaries(str(tmp_path))
         assert live.exists() and not dead.exists() and empty.exists() and (tmp_path / "other.tmp").exists()
     assert (tmp_path / "c.npy").read_bytes() == b"y" * 100
+    remove_stale_temporaries(str(tmp_path), keep_empty=False)  # a caller whose lock keeps writers out
+    assert not empty.exists() and (tmp_path / "other.tmp").exists()
     remove_stale_temporaries(str(tmp_path / "missing"))  # no directory yet: nothing to do

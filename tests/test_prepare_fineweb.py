@@ -491,6 +491,8 @@ def test_a_second_run_into_the_same_output_dir_stops_at_once(tmp_path):
     dead = [output_dir / ".processed_data_0_text_document.bin.999999.tmp", output_dir / ".summary.json.999999.tmp"]
     for path in dead + [output_dir / ".prepare.lock"]:
         path.write_text("pid 999999 on host gone\n")
+    dead.append(output_dir / ".val_text_document.bin.999999.tmp")  # killed before it wrote a byte
+    dead[-1].touch()
     args = ["--input", str(tmp_path / "a.txt"), "--output-dir", str(output_dir), "--workers", "1"]
     with prepare_fineweb.locked(str(output_dir)) as lock:  # another run, busy in output_dir
         # its pool workers hold no share of the lock: the orphans of a killed run would keep it
