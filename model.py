@@ -134,10 +134,12 @@ def _compiled_chunk_loss():
     # AOTAutograd derives the backward; Inductor fuses each direction into a few passes.
     return torch.compile(_real_vocab_chunk_loss)
 
-# Rows of logits the loss head holds at once. Fewer rows hold less memory; more rows make each
-# matmul larger and spread the per-chunk cost of adding into the fp32 weight gradient. On the CPU,
-# chunks under glibc's 32 MiB mmap threshold are reused from the heap, not faulted in afresh.
-LOSS_CHUNK_ROWS = dict(cuda=8192, cpu=128)
+# Logits the loss head holds at once (rows x vocabulary rows of the weight): 8,192 and 128 rows of
+# GPT-2's 50,304. Fewer hold less memory; more make each matmul larger and spread the per-chunk
+# cost of adding into the fp32 weight gradient. On the CPU, chunks under glibc's 32 MiB mmap
+# threshold are reused from the heap, not faulted in afresh. A small vocabulary gets more rows:
+# per-chunk overhead, not memory, is then what counts.
+LOSS_CHUNK_LOGITS = dict(cuda=8192 * 50304, cpu=128 * 50304)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -189,7 +191,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 @torch.compiler.disable
 def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, compiled=False):
     """Mean chunk_loss of x @ weight[:vocab_size].T over the scored targets, chunk by chunk."""
-    chunk_size = chunk_size or LOSS_CHUNK_ROWS.get(x.device.type, 1024)
+    if chunk_size is None:
+        budget = LOSS_CHUNK_LOGITS.get(x.device.type, LOSS_CHUNK_LOGITS["cuda"])
+        chunk_size = max(1, budget // weight.size(0))
     vocab_size = vocab_size or weight.size(0)
     # Validation needs no gradients, and then the head computes the loss alone.
     with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)

@@ -715,7 +715,7 @@ def test_chunked_loss_without_grad_and_all_ignored():
 
 @pytest.mark.parametrize("chunk_rows", [1024, 40], ids=["one-chunk", "40-rows"])
 def test_model_loss_and_all_gradients_equal_plain_cross_entropy(monkeypatch, chunk_rows):
-    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", chunk_rows)  # 96 rows: 3 chunks, the last one 16 rows
+    monkeypatch.setitem(model_module.LOSS_CHUNK_LOGITS, "cpu", chunk_rows * 128)  # 96 rows: 3 chunks, the last one 16 rows
     model = random_model()
     idx, targets = tokens()
     loss, grads = loss_and_grads(model, idx, targets)
@@ -763,7 +763,7 @@ class LargestOutput(TorchDispatchMode):
 
 
 def test_full_logits_are_never_materialised(monkeypatch):
-    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 16)
+    monkeypatch.setitem(model_module.LOSS_CHUNK_LOGITS, "cpu", 16 * 1024)
     model = random_model(vocab_size=1000, padded_vocab_size=1024)
     idx, targets = tokens(vocab_size=1000)
     with LargestOutput() as mode:
@@ -844,7 +844,7 @@ def test_compiled_head_equals_eager_with_no_graph_break(monkeypatch):
     """compile_loss=True: loss and every gradient equal the eager head's (fp32 to 1e-5) and F.cross_entropy's; the
     chunk body compiles to one graph per chunk shape (here 40 rows and the last 16), nothing falls back to eager."""
     torch._dynamo.reset()
-    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 40)
+    monkeypatch.setitem(model_module.LOSS_CHUNK_LOGITS, "cpu", 40 * 128)
     backend = CountingBackend()
     compiled = torch.compile(model_module._real_vocab_chunk_loss, backend=backend)
     monkeypatch.setattr(model_module, "_compiled_chunk_loss", lambda: compiled)
@@ -897,7 +897,7 @@ def test_an_edited_chunk_loss_trains_through_the_chunked_head(monkeypatch, compi
     autograd gives over the full logits: no hand-written gradient to keep in step."""
     torch._dynamo.reset()
     monkeypatch.setattr(model_module, "chunk_loss", z_loss_chunk)
-    monkeypatch.setitem(model_module.LOSS_CHUNK_ROWS, "cpu", 40)  # 96 rows: 3 chunks, the last one 16 rows
+    monkeypatch.setitem(model_module.LOSS_CHUNK_LOGITS, "cpu", 40 * 128)  # 96 rows: 3 chunks, the last one 16 rows
     model = random_model()
     model.compile_loss = compiled
     idx, targets = tokens()
