@@ -1,7 +1,7 @@
 # GPT-2 1558M (d48), following llm.c's scripts/run_gpt2_1558M.sh: 48 layers, 25 heads, 1600 wide, on FineWeb-Edu
 # sample-100BT; 32,000 steps of 1,048,576 tokens (~33.6B tokens), lr 6e-4 with 700 warmup steps and cosine decay to
 # 0.1 x lr, weight decay 0.1, local batch 16 (8 x H100 80 GB).
-#   python prepare_fineweb.py --sample 100BT --data-dir fineweb_edu_100b --workers 32   # checks the disk space first
+#   python prepare_fineweb.py --sample 100BT --data-dir fineweb_edu_100b --workers 32
 #   torchrun --standalone --nproc_per_node 8 train_gpt2.py configs/gpt2_1558m.py
 # With less GPU memory: activation_checkpointing = True, or a smaller local_batch_size (the memory plan printed
 # before the first step says whether it fits).

@@ -1,7 +1,7 @@
 # GPT-2 774M (d36), following llm.c's scripts/run_gpt2_774M.sh: 36 layers, 20 heads, 1280 wide; 286,102 steps of
 # 524,288 tokens (~150B tokens), lr 2.5e-4 with 700 warmup steps and cosine decay to 0, weight decay 0.1.
 # llm.c trains it on FineWeb sample-100BT (150B tokens: 1.5 epochs); this config uses FineWeb-Edu sample-100BT:
-#   python prepare_fineweb.py --sample 100BT --data-dir fineweb_edu_100b --workers 32   # checks the disk space first
+#   python prepare_fineweb.py --sample 100BT --data-dir fineweb_edu_100b --workers 32
 #   torchrun --standalone --nproc_per_node 8 train_gpt2.py configs/gpt2_774m.py
 data_paths = "fineweb_edu_100b/megatron_gpt2/processed_data_*_text_document"
 split = "100,0,0"  # no Megatron validation split: validation comes from val_data_paths
