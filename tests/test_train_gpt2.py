@@ -715,9 +715,33 @@ def test_recipe_configs_load_with_the_reference_shapes(name, layers, width, head
 def test_the_muon_config_after_the_124m_recipe_keeps_its_run_and_trains_with_muon():
     recipe, muon = (os.path.join(ROOT, "configs", name) for name in ("gpt2_124m.py", "gpt2_124m_muon.py"))
     adamw, cfg = train_gpt2.load_config([recipe]), train_gpt2.load_config([recipe, muon])
-    assert (cfg.optimizer, cfg.muon_scalar_lr, cfg.min_lr / cfg.lr) == ("muon", adamw.lr, adamw.min_lr / adamw.lr)
+    assert (cfg.optimizer, cfg.muon_scalar_lr, cfg.min_lr / cfg.lr) == ("muon", 3 * adamw.lr, adamw.min_lr / adamw.lr)
     kept = lambda config: {k: v for k, v in vars(config).items() if "lr" not in k and "optimizer" not in k}  # noqa: E731
     assert kept(cfg) == dict(kept(adamw), out_dir="out_gpt2_124m_muon")
+
+
+@pytest.mark.slow
+def test_muon_ends_below_adamw_at_equal_steps_on_the_demo_model(tmp_path):
+    """60 steps of the demo (its own settings, warmup 6): AdamW at the demo's lr against Muon with the optimizer keys
+    of configs/gpt2_124m_muon.py, its AdamW part at the same multiple of the demo's lr (bench/bench_muon.py also
+    compares them at equal wall time)."""
+    data_dir = tmp_path / "shakespeare"
+    subprocess.run([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), "--input",
+                    os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--output-dir", str(data_dir), "--workers", "1"],
+                   check=True, capture_output=True)
+    demo, muon, recipe = (os.path.join(ROOT, "configs", name) for name in
+                          ("demo_cpu.py", "gpt2_124m_muon.py", "gpt2_124m.py"))
+    muon_cfg, recipe_cfg = train_gpt2.load_config([recipe, muon]), train_gpt2.load_config([recipe])
+    scalar_lr = train_gpt2.load_config([demo]).lr * muon_cfg.muon_scalar_lr / recipe_cfg.lr
+    val_loss = {}
+    for name, extra in [("adamw", []), ("muon", ["--optimizer=muon", f"--lr={muon_cfg.lr}", f"--min_lr={muon_cfg.lr / 10}",
+                                                 f"--muon_scalar_lr={scalar_lr}"])]:
+        out = tmp_path / name
+        train_gpt2.main([demo, f"--data_paths={str(data_dir / 'processed_data_0_text_document')!r}",
+                         f"--out_dir={str(out)!r}", "--max_steps=60", "--lr_warmup_steps=6", "--val_every_steps=60",
+                         "--sample_tokens=0", "--ckpt_every_steps=0", *extra])
+        val_loss[name] = metrics(out, "val_loss")[60]
+    assert val_loss["muon"] < val_loss["adamw"], val_loss
 
 
 def gpt2_token_dataset(prefix):
