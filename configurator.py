@@ -174,6 +174,11 @@ AUTOMODEL_KEYS = {
     "model.config.n_layer": "n_layer", "model.config.n_head": "n_head",
     "model.config.n_embd": "n_embd", "model.config.vocab_size": "vocab_size",
     "model.config.activation_function": "activation",
+    # dion.Muon's keys, read as "muon.<key>" (translate); its betas and epsilon are defaults that
+    # every group here overrides (scalar_*), lm_head_lr has no head of its own (it is wte here)
+    "muon.lr": "lr", "muon.weight_decay": "weight_decay", "muon.mu": "muon_momentum",
+    "muon.adjust_lr": "muon_adjust_lr", "muon.scalar_lr": "muon_scalar_lr",
+    "muon.embed_lr": "muon_embed_lr", "muon.scalar_eps": "adam_eps",
 }
 # Keys that change nothing here whatever their value: where files go, logging, the tokenizer of
 # the same token files, the checkpoint format. A name ending in "." covers a whole section.
@@ -187,7 +192,8 @@ AUTOMODEL_SAME = (
     "validation_dataset.paths", "validation_dataset.index_mapping_dir", "validation_dataset.split",
     "validation_dataset.seq_length", "model.config.use_cache", "model.config.bos_token_id",
     "model.config.eos_token_id", "optimizer.foreach", "optimizer.fused", "optimizer.capturable",
-    "optimizer.set_grad_none")
+    "optimizer.set_grad_none", "muon.betas", "muon.epsilon", "muon.lm_head_lr", "muon.flatten",
+    "muon.use_triton")
 FP32 = ["torch.float32", "float32"]
 # Keys that behave as ours at these values only. A class name also matches the end of a dotted
 # _target_. Transformer Engine's FusedAdam with these options is our AdamW: decoupled weight decay,
@@ -216,6 +222,7 @@ AUTOMODEL_VALUES = {
     "optimizer.master_weights": [True], "optimizer.store_param_remainders": [True, False],
     "optimizer.master_weight_dtype": FP32, "optimizer.exp_avg_dtype": FP32,
     "optimizer.exp_avg_sq_dtype": FP32,
+    "muon._target_": ["Muon"], "muon.scalar_opt": ["adamw"], "muon.nesterov": [False],
     # GPT2Config values the model here has (no dropout: nanoGPT and llm.c pretrain without it).
     "model.config.n_inner": [None], "model.config.layer_norm_epsilon": [1e-5],
     "model.config.initializer_range": [0.02], "model.config.tie_word_embeddings": [True],
@@ -224,7 +231,8 @@ AUTOMODEL_VALUES = {
 }
 # The optimizers' own defaults where the recipe leaves a value out: lr, betas, eps, weight_decay.
 AUTOMODEL_OPTIMIZER_DEFAULTS = {"AdamW": (1e-3, (0.9, 0.999), 1e-8, 1e-2),
-                                "FusedAdam": (1e-3, (0.9, 0.999), 1e-8, 0.0)}
+                                "FusedAdam": (1e-3, (0.9, 0.999), 1e-8, 0.0),
+                                "Muon": (5e-4, (0.9, 0.999), 1e-8, 0.0)}  # MuonConfig's scalar_*
 # GPT-2's sizes by hub name: n_layer, n_head, n_embd.
 GPT2_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024),
               "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
@@ -346,7 +354,11 @@ def recipe_defaults(items):
     optimizer = str(items.get("optimizer._target_", "")).rsplit(".", 1)[-1]
     if optimizer in AUTOMODEL_OPTIMIZER_DEFAULTS:
         lr, betas, eps, weight_decay = AUTOMODEL_OPTIMIZER_DEFAULTS[optimizer]
-        ours.update(lr=lr, beta1=betas[0], beta2=betas[1], adam_eps=eps, weight_decay=weight_decay)
+        ours.update(lr=lr, beta1=betas[0], beta2=betas[1], adam_eps=eps, weight_decay=weight_decay,
+                    optimizer="adamw")
+    if optimizer == "Muon":
+        ours.update(optimizer="muon", muon_momentum=0.95, muon_adjust_lr="spectral_norm",
+                    muon_scalar_lr=None, muon_embed_lr=None)
     bf16 = str(items.get("model.torch_dtype")) in ("bfloat16", "torch.bfloat16")
     if bf16 and not (optimizer == "FusedAdam" and items.get("optimizer.master_weights") is True):
         differ.append("model.torch_dtype=bfloat16 without FusedAdam's master_weights "
@@ -368,9 +380,12 @@ def translate(key, value, written, items, fields):
     a reason (a change this code does not make). A TypeError says what type `key` takes."""
     number = (int, float)
     seq_length = items.get("dataset.seq_length", fields["seq_length"].default)
+    muon = str(items.get("optimizer._target_")).rsplit(".", 1)[-1] == "Muon"
+    if key.startswith("optimizer.") and muon:
+        key = "muon." + key.split(".", 1)[1]  # dion.Muon's keys mean other things than AdamW's
     if key in AUTOMODEL_KEYS:
         return {AUTOMODEL_KEYS[key]: field_value(fields[AUTOMODEL_KEYS[key]], value, written)}
-    if key == "optimizer.betas":
+    if key in ("optimizer.betas", "muon.scalar_betas"):
         if type(value) not in (list, tuple) or len(value) != 2 or \
                 any(type(beta) not in number for beta in value):
             raise wrong("a list of two numbers [beta1, beta2]", written)

@@ -93,6 +93,11 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
+    optimizer: str = "adamw"  # or "muon": the blocks' matrices, AdamW the rest (docs/training.md)
+    muon_momentum: float = 0.95  # dion's mu
+    muon_adjust_lr: str = "spectral_norm"  # lr x sqrt(fan_out/fan_in); "rms_norm": 0.2 sqrt(max)
+    muon_scalar_lr: float | None = None  # AdamW's lr for biases and LayerNorms; None: lr
+    muon_embed_lr: float | None = None  # for wte (the tied head) and wpe; None: muon_scalar_lr
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     # evaluation at step 0, every val_every_steps and after the last step
     val_every_steps: int = 250
@@ -133,6 +138,9 @@ def check_config(cfg, world_size):
         ("adam_eps", finite["adam_eps"] and cfg.adam_eps > 0, "> 0"),
         ("grad_clip", finite["grad_clip"] and cfg.grad_clip >= 0, ">= 0 (0: no clipping)"),
         ("lr_warmup_steps", cfg.lr_warmup_steps >= 0, ">= 0"),
+        ("muon_momentum", 0 <= cfg.muon_momentum < 1, "in [0, 1)"),
+        ("muon_scalar_lr", cfg.muon_scalar_lr is None or 0 < cfg.muon_scalar_lr < math.inf, "> 0"),
+        ("muon_embed_lr", cfg.muon_embed_lr is None or 0 < cfg.muon_embed_lr < math.inf, "> 0"),
     ]
     at_least = dict(seq_length=1, global_batch_size=1, local_batch_size=1, max_steps=1,
                     val_every_steps=1, val_tokens=0, sample_tokens=0, ckpt_every_steps=0,
@@ -147,7 +155,8 @@ def check_config(cfg, world_size):
         if not fine:
             raise ValueError(f"config: {key} must be {expected}, got {getattr(cfg, key)!r}")
     named = dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32"),
-                 activation=tuple(ACTIVATIONS))
+                 activation=tuple(ACTIVATIONS), optimizer=("adamw", "muon"),
+                 muon_adjust_lr=("spectral_norm", "rms_norm"))
     for key, choices in named.items():
         if getattr(cfg, key) not in choices:
             raise ValueError(f"config: {key} must be one of {', '.join(choices)}, "
@@ -400,18 +409,18 @@ def local(tensor):
 
 
 def nonfinite(model, optimizer=None):
-    """Names of this rank's parameters (and AdamW moments) holding NaN or inf, or a negative
+    """Names of this rank's parameters (and optimizer moments) holding NaN or inf, or a negative
     exp_avg_sq, in one device sync."""
     checks = {name: torch.isfinite(local(p)).all() for name, p in model.named_parameters()}
     names = {p: name for name, p in model.named_parameters()}
-    if optimizer is not None:
-        for p, state in optimizer.state.items():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:  # the moments, not the step
-                    ok = torch.isfinite(local(value)).all()
-                    if key == "exp_avg_sq":
-                        ok = ok & (local(value) >= 0).all()
-                    checks[f"{names[p]} ({key})"] = ok
+    states = [item for opt in optimizer or [] for item in opt.state.items()]
+    for p, state in states:
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:  # the moments, not the step
+                ok = torch.isfinite(local(value)).all()
+                if key == "exp_avg_sq":
+                    ok = ok & (local(value) >= 0).all()
+                checks[f"{names[p]} ({key})"] = ok
     flags = torch.stack(list(checks.values())).tolist()
     return [name for name, ok in zip(checks, flags) if not ok]
 
@@ -549,7 +558,8 @@ def load_state(path, model, optimizer):
                        optim_state_dict={**state["optim"], **groups}, options=BY_NAME)
     else:  # no update yet: AdamW starts without state, as in the uninterrupted run
         set_model_state_dict(model, state["model"])
-        optimizer.state.clear()
+        for opt in optimizer:
+            opt.state.clear()
     if nonfinite(model, optimizer):
         raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite "
                                  "Adam moment")
@@ -587,6 +597,9 @@ def load_checkpoint(ckpt_path, model, optimizer):
 def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     """Load the checkpoint; its step. A change to the tokens the run sees, or to their order, is
     refused unless resume_allow_data_change."""
+    saved = read_train_state(resume_path)["config"].get("optimizer", "adamw")
+    if saved != cfg.optimizer:  # its state would not fit: every checkpoint would fail to load
+        raise ValueError(f"{resume_path}: the run was trained with --optimizer={saved}; resume so")
     train_state = load_checkpoint(resume_path, model, optimizer)
     step, saved = train_state["step"], train_state["config"]
     if cfg.eval_only:  # an evaluation reads no training data and needs no step budget
@@ -608,7 +621,7 @@ def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     if changes:
         log(f"resuming with changed data (resume_allow_data_change): {'; '.join(changes)}")
     keys = ("max_steps", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "beta1", "beta2",
-            "adam_eps", "grad_clip")
+            "adam_eps", "grad_clip", "muon_momentum", "muon_scalar_lr", "muon_embed_lr")
     changed = config_changes({key: saved[key] for key in keys if key in saved}, cfg)
     if changed:
         log(f"{'; '.join(changed)}: the config wins from step {step} on; "
@@ -809,15 +822,38 @@ def load_init_checkpoint(source, model):
 
 
 def build_optimizer(model, cfg, device):
-    """AdamW, with weight decay on the 2-D parameters (matmul weights and embeddings) only, as the
-    GPT-2 recipes do. Each group has a name; lr_at()'s rate is multiplied by a group's lr_scale,
-    so that a group of its own (say the embedding at 10x) is one more entry here."""
+    """The optimizers the loop steps: AdamW, with weight decay on the 2-D parameters (matmul weights
+    and embeddings) only, as the GPT-2 recipes do; or Muon and AdamW, grouped as dion's Muon is.
+    Each group has a name; lr_at()'s rate is multiplied by a group's lr_scale, so that a group of
+    its own (say the embedding at 10x) is one more entry here."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [dict(name="decay", params=decay, weight_decay=cfg.weight_decay, lr_scale=1.0),
               dict(name="no_decay", params=no_decay, weight_decay=0.0, lr_scale=1.0)]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                             fused=device.type == "cuda")
+    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                 fused=device.type == "cuda")
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW(groups, **adamw)]
+    # Muon for the blocks' matrices. dion's spectral_norm is lr x sqrt(fan_out/fan_in), torch's
+    # "original" is lr for wide ones (the MLP's c_proj): their lr_scale adds the rest and their
+    # weight_decay takes it out again, as dion decays by lr x weight_decay.
+    matrices = [p for p in model.transformer.h.parameters() if p.dim() == 2]
+    scales = [min(1.0, math.sqrt(p.shape[0] / p.shape[1])) for p in matrices]
+    if cfg.muon_adjust_lr == "rms_norm":
+        scales = [1.0 for p in matrices]
+    groups = [dict(name="muon", params=[p], lr_scale=scale, weight_decay=cfg.weight_decay / scale)
+              for p, scale in zip(matrices, scales)]
+    adjust_lr_fn = dict(spectral_norm="original", rms_norm="match_rms_adamw")[cfg.muon_adjust_lr]
+    muon = torch.optim.Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=False,
+                            adjust_lr_fn=adjust_lr_fn)
+    # AdamW: biases and LayerNorms with weight decay, the embeddings (wte is the head too) without.
+    scalar_lr = cfg.muon_scalar_lr or cfg.lr
+    embeddings = [model.transformer.wte.weight, model.transformer.wpe.weight]
+    groups = [dict(name="scalar", params=no_decay, weight_decay=cfg.weight_decay,
+                   lr_scale=scalar_lr / cfg.lr),
+              dict(name="embedding", params=embeddings, weight_decay=0.0,
+                   lr_scale=(cfg.muon_embed_lr or scalar_lr) / cfg.lr)]
+    return [muon, torch.optim.AdamW(groups, **adamw)]
 
 
 def lr_at(step, cfg):
@@ -1257,7 +1293,7 @@ class StepLog:
 class Training(typing.NamedTuple):
     """What setup() hands the training loop."""
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: list  # build_optimizer's torch optimizers, stepped and saved together
     start_step: int
     train_data: object  # Megatron's GPTDataset or BlendedDataset samples (indexed_dataset)
     evaluate: Evaluator
@@ -1387,10 +1423,11 @@ def train(cfg, rank, world_size, device, log, stop):
         loss = loss_sum / grad_accum_steps
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
         lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group["lr_scale"]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for opt in optimizer:
+            for group in opt.param_groups:
+                group["lr"] = lr * group["lr_scale"]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         stop_requested = step_log.end_step(step, lr, loss, norm, stop)
 
         done = step + 1

@@ -358,3 +358,65 @@ def test_a_recipe_naming_a_local_hf_config_directory_takes_its_sizes(data, tmp_p
     text = text.replace(f"{config}\n", f"{config}\n    n_layer: 5\n")
     open(recipe, "w").write(text)
     assert train_gpt2.load_config([recipe]).n_layer == 5
+
+
+# AutoModel's dion.Muon section (its MuonConfig's fields), as a recipe would write it.
+MUON_SECTION = """optimizer:
+  _target_: dion.Muon
+  lr: 0.02
+  mu: 0.9
+  adjust_lr: rms_norm
+  nesterov: false
+  scalar_opt: adamw
+  scalar_betas: [0.8, 0.95]
+  scalar_eps: 1.0e-10
+  scalar_lr: 0.003
+  embed_lr: 0.006
+  lm_head_lr: 0.001
+  betas: [0.9, 0.95]
+  epsilon: 1.0e-8
+  weight_decay: 0.01
+
+"""
+
+
+def muon_recipe(tmp_path, data, *edits):
+    text = open(TODAYS_RECIPE).read()
+    start, end = text.index("optimizer:\n"), text.index("lr_scheduler:")
+    return todays_recipe(tmp_path, data, (text[start:end], MUON_SECTION), *edits)
+
+
+def test_automodels_muon_section_maps_key_by_key_and_its_defaults_are_muonconfigs(data, tmp_path):
+    cfg = train_gpt2.load_config([muon_recipe(tmp_path, data)])
+    assert (cfg.optimizer, cfg.lr, cfg.muon_momentum, cfg.muon_adjust_lr, cfg.beta1, cfg.beta2, cfg.adam_eps,
+            cfg.muon_scalar_lr, cfg.muon_embed_lr, cfg.weight_decay) == \
+        ("muon", 0.02, 0.9, "rms_norm", 0.8, 0.95, 1e-10, 0.003, 0.006, 0.01)
+    bare = muon_recipe(tmp_path, data, *[(line + "\n", "") for line in MUON_SECTION.splitlines()[2:-1]])
+    cfg = train_gpt2.load_config(["--optimizer=adamw", "--muon_scalar_lr=1.0", bare])
+    assert (cfg.optimizer, cfg.lr, cfg.muon_momentum, cfg.muon_adjust_lr, cfg.beta1, cfg.beta2, cfg.adam_eps,
+            cfg.muon_scalar_lr, cfg.muon_embed_lr, cfg.weight_decay) == \
+        ("muon", 5e-4, 0.95, "spectral_norm", 0.9, 0.999, 1e-8, None, None, 0.0)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (("  mu: 0.9\n", "  mu: 0.9\n  newton_schulz_func: my.ns\n"), "optimizer.newton_schulz_func='my.ns'"),
+    (("nesterov: false", "nesterov: true"), "optimizer.nesterov=True"),
+    (("scalar_opt: adamw", "scalar_opt: lion"), "optimizer.scalar_opt='lion'"),
+    (("  mu: 0.9\n", "  mu: 0.9\n  eps: 1.0e-8\n"), "optimizer.eps=1e-08"),
+    (("dion.Muon", "dion.NorMuon"), "optimizer._target_='dion.NorMuon'"),
+])
+def test_a_muon_key_that_does_not_map_is_named_in_one_line(data, tmp_path, edit, named):
+    with pytest.raises(ValueError, match=re.escape(named)) as error:
+        train_gpt2.load_config([muon_recipe(tmp_path, data, edit)])
+    assert "\n" not in str(error.value) and "not supported by train_gpt2.py" in str(error.value)
+
+
+@pytest.mark.slow
+def test_an_automodel_recipe_with_dion_muon_trains_with_torchs_muon(data, tmp_path):
+    result = script(muon_recipe(tmp_path, data), "--device=cpu", "--compile=False")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    said = next(line for line in result.stdout.splitlines() if "AutoModel recipe read as" in line)
+    for text in ("--optimizer='muon'", "--muon_momentum=0.9", "optimizer.lm_head_lr=0.001", "optimizer.nesterov=False"):
+        assert text in said, text
+    assert sorted(metrics(tmp_path / "out", "val_loss")) == [0, 5, 10]
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["optimizer"] == "muon"

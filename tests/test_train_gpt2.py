@@ -712,6 +712,38 @@ def test_recipe_configs_load_with_the_reference_shapes(name, layers, width, head
     assert cfg.global_batch_size * cfg.seq_length == tokens_per_step and cfg.val_data_paths and cfg.split == "100,0,0"
 
 
+def test_the_muon_config_after_the_124m_recipe_keeps_its_run_and_trains_with_muon():
+    recipe, muon = (os.path.join(ROOT, "configs", name) for name in ("gpt2_124m.py", "gpt2_124m_muon.py"))
+    adamw, cfg = train_gpt2.load_config([recipe]), train_gpt2.load_config([recipe, muon])
+    assert (cfg.optimizer, cfg.muon_scalar_lr, cfg.min_lr / cfg.lr) == ("muon", 3 * adamw.lr, adamw.min_lr / adamw.lr)
+    kept = lambda config: {k: v for k, v in vars(config).items() if "lr" not in k and "optimizer" not in k}  # noqa: E731
+    assert kept(cfg) == dict(kept(adamw), out_dir="out_gpt2_124m_muon")
+
+
+@pytest.mark.slow
+def test_muon_ends_below_adamw_at_equal_steps_on_the_demo_model(tmp_path):
+    """60 steps of the demo (its own settings, warmup 6): AdamW at the demo's lr against Muon with the optimizer keys
+    of configs/gpt2_124m_muon.py, its AdamW part at the same multiple of the demo's lr (bench/bench_muon.py also
+    compares them at equal wall time)."""
+    data_dir = tmp_path / "shakespeare"
+    subprocess.run([sys.executable, os.path.join(ROOT, "prepare_fineweb.py"), "--input",
+                    os.path.join(ROOT, "data", "tinyshakespeare.txt"), "--output-dir", str(data_dir), "--workers", "1"],
+                   check=True, capture_output=True)
+    demo, muon, recipe = (os.path.join(ROOT, "configs", name) for name in
+                          ("demo_cpu.py", "gpt2_124m_muon.py", "gpt2_124m.py"))
+    muon_cfg, recipe_cfg = train_gpt2.load_config([recipe, muon]), train_gpt2.load_config([recipe])
+    scalar_lr = train_gpt2.load_config([demo]).lr * muon_cfg.muon_scalar_lr / recipe_cfg.lr
+    val_loss = {}
+    for name, extra in [("adamw", []), ("muon", ["--optimizer=muon", f"--lr={muon_cfg.lr}", f"--min_lr={muon_cfg.lr / 10}",
+                                                 f"--muon_scalar_lr={scalar_lr}"])]:
+        out = tmp_path / name
+        train_gpt2.main([demo, f"--data_paths={str(data_dir / 'processed_data_0_text_document')!r}",
+                         f"--out_dir={str(out)!r}", "--max_steps=60", "--lr_warmup_steps=6", "--val_every_steps=60",
+                         "--sample_tokens=0", "--ckpt_every_steps=0", *extra])
+        val_loss[name] = metrics(out, "val_loss")[60]
+    assert val_loss["muon"] < val_loss["adamw"], val_loss
+
+
 def gpt2_token_dataset(prefix):
     """Shakespeare's first 2,000 paragraphs in GPT-2 tokens, each ending in EOT."""
     text = open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8").read()
@@ -912,7 +944,7 @@ def test_a_parameter_group_of_your_own_resumes_exactly(data, tmp_path, monkeypat
         groups = [dict(name="embedding", params=[wte], weight_decay=0.0, lr_scale=10.0),
                   dict(name="decay", params=matrices, weight_decay=cfg.weight_decay, lr_scale=1.0),
                   dict(name="no_decay", params=vectors, weight_decay=0.0, lr_scale=1.0)]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+        return [torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))]
 
     def args(out):
         return tiny(data, out, max_steps=20, index_mapping_dir=str(tmp_path / "c"))
@@ -930,6 +962,52 @@ def test_a_parameter_group_of_your_own_resumes_exactly(data, tmp_path, monkeypat
     assert train_gpt2.main(tiny(data, regrouped, max_steps=30,
                                 index_mapping_dir=str(tmp_path / "c"))) == 0
     assert sorted(metrics(regrouped, "train_loss")) == list(range(30))
+
+
+def test_muon_is_torchs_for_the_blocks_matrices_with_dions_lr_and_adamw_for_the_rest():
+    from model import GPT, GPTConfig
+    cfg = train_gpt2.load_config(["--optimizer=muon", "--lr=0.02", "--muon_scalar_lr=0.01", "--weight_decay=0.1"])
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, padded_vocab_size=None, n_layer=2, n_head=2, n_embd=16))
+    muon, adamw = train_gpt2.build_optimizer(model, cfg, torch.device("cpu"))
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    matrices = [p for p in model.transformer.h.parameters() if p.dim() == 2]
+    assert [p for group in muon.param_groups for p in group["params"]] == matrices
+    held = [p for opt in (muon, adamw) for group in opt.param_groups for p in group["params"]]
+    assert len(held) == len({id(p) for p in held}) == len(list(model.parameters()))
+    scalar, embedding = adamw.param_groups
+    assert (scalar["lr_scale"], scalar["weight_decay"], embedding["lr_scale"], embedding["weight_decay"]) == \
+        (0.5, 0.1, 0.5, 0.0)
+    assert embedding["params"] == [model.transformer.wte.weight, model.transformer.wpe.weight]
+    # One step on the MLP's c_proj (16 x 64): dion's spectral_norm update, lr x sqrt(16 / 64) x NS(grad), and
+    # its decay by lr x weight_decay.
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
+    c_proj = model.transformer.h[0].mlp.c_proj.weight
+    before, grad = c_proj.detach().clone(), torch.randn_like(c_proj)
+    c_proj.grad = grad
+    for group in muon.param_groups:
+        group["lr"] = 0.02 * group["lr_scale"]
+    muon.step()
+    momentum = torch.zeros_like(grad).lerp_(grad, 1 - 0.95)  # the first step's, without Nesterov
+    update = _zeropower_via_newtonschulz(momentum, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, EPS).float()
+    assert torch.allclose(c_proj.detach(), before * (1 - 0.02 * 0.1) - 0.02 * 0.5 * update, atol=1e-7)
+    assert len(train_gpt2.build_optimizer(model, train_gpt2.load_config([]), torch.device("cpu"))) == 1
+
+
+@pytest.mark.slow
+def test_muon_trains_and_resumes_bit_exactly_and_its_runs_resume_only_under_muon(data, tmp_path):
+    def args(out):
+        return tiny(data, out, max_steps=20, optimizer="muon", lr=0.02, muon_scalar_lr=3e-3,
+                    index_mapping_dir=str(tmp_path / "c"))
+
+    full, resumed, out = run_stopped_and_resumed(args, tmp_path, stop_after=10)
+    assert full == resumed and full[19] < full[0] - 1
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    shutil.rmtree(partial / "hf")
+    shutil.rmtree(partial / "ckpt" / "step_00000020")
+    with pytest.raises(ValueError, match=r"step_00000010: the run was trained with --optimizer=muon; resume so"):
+        train_gpt2.main(tiny(data, partial, max_steps=20, index_mapping_dir=str(tmp_path / "c")))
+    assert checkpoints(partial) == ["step_00000010"]  # nothing set aside as damaged
 
 
 @pytest.mark.slow
