@@ -168,7 +168,7 @@ AUTOMODEL_KEYS = {
     "dataset.seq_length": "seq_length", "dataset.split": "split",
     "optimizer.lr": "lr", "optimizer.weight_decay": "weight_decay", "optimizer.eps": "adam_eps",
     "lr_scheduler.lr_warmup_steps": "lr_warmup_steps", "lr_scheduler.min_lr": "min_lr",
-    "checkpoint.checkpoint_dir": "out_dir",
+    "checkpoint.checkpoint_dir": "out_dir", "checkpoint.is_async": "async_checkpoint",
     "wandb.project": "wandb_project", "wandb.name": "wandb_run_name",
     # AutoConfig.from_pretrained(name, **these) sizes the model.
     "model.config.n_layer": "n_layer", "model.config.n_head": "n_head",

@@ -19,6 +19,7 @@ if sys.version_info < (3, 10):
     sys.exit("train_gpt2.py: error: Python 3.10 or newer is needed, this is Python %d.%d"
              % sys.version_info[:2])
 
+import concurrent.futures
 import dataclasses
 import errno
 import functools
@@ -111,6 +112,7 @@ class TrainConfig:
     log_every_steps: int = 1  # the step's numbers are read from the device once per this many steps
     ckpt_every_steps: int = 1000  # 0 = only at the end and on SIGTERM/SIGINT
     ckpt_keep: int = 2  # complete checkpoints kept, newest first
+    async_checkpoint: bool = True  # the step waits for a copy of the state, a thread writes it
     # a resume refuses a change to data_paths, the data, split, seed, seq_length or the epochs
     resume_allow_data_change: bool = False  # True: resume anyway; the sample order changes
     wandb_log: bool = False  # also log every metrics.jsonl record to Weights & Biases
@@ -236,9 +238,9 @@ def is_master():
     return rank_and_world_size()[0] == 0
 
 
-def barrier():
+def barrier(group=None):
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def broadcast_object(obj):
@@ -452,17 +454,16 @@ def training_state(model, optimizer, step):
     return {"model": model_state, "optim": per_parameter}
 
 
-def save_rng(path):
-    """The random generators' states, serialized in memory first: a full disk then fails in
-    write() as an OSError naming the file, where torch.save's zip writer says "unexpected pos"."""
+def rng_state():
+    """The random generators' states, serialized in memory: a full disk then fails in write() as an
+    OSError naming the file, where torch.save's zip writer says "unexpected pos"."""
     state = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(),
                  python=random.getstate(), cuda=None)
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    with atomic_write(path) as f:
-        f.write(buffer.getvalue())
+    return buffer.getvalue()
 
 
 def write_json(path, obj):
@@ -481,14 +482,18 @@ def fsync_tree(path):
     return sizes
 
 
-def save_checkpoint(cfg, model, optimizer, step, data):
-    """Write ckpt/step_N.tmp (DCP shards, rng.pt, train_state.json), fsync it, write its marker
-    last and rename it to step_N; then drop the oldest beyond ckpt_keep. Every rank calls it."""
+WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # so one checkpoint write at a time
+
+
+def save_checkpoint(cfg, model, optimizer, step, data, group=None):
+    """Checkpoint `step`: the state, the random generators and train_state.json as they are now; a
+    Future of write_checkpoint's (path, seconds). Every rank calls it. Under async_checkpoint the
+    state is copied to CPU memory (dcp.async_save) and a thread writes it beside training."""
     assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
     ckpt_root = os.path.join(cfg.out_dir, "ckpt")
     final = os.path.join(ckpt_root, f"step_{step:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
-        return final  # already saved: a run resumed here and stopped at once
+        return WRITER.submit(lambda: (final, 0.0))  # already saved: a run resumed here and stopped
     tmp = final + ".tmp"
     if is_master():
         if os.path.exists(final):
@@ -496,16 +501,31 @@ def save_checkpoint(cfg, model, optimizer, step, data):
         shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted write
         os.makedirs(tmp)
     barrier()
+    state = training_state(model, optimizer, step)
+    train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
+                       world_size=rank_and_world_size()[1], config=dataclasses.asdict(cfg),
+                       model_config=dataclasses.asdict(model.config))
+    if cfg.async_checkpoint:
+        shards = dcp.async_save(state, checkpoint_id=tmp, process_group=group).result
+        return WRITER.submit(write_checkpoint, cfg, final, shards, rng_state(), train_state, group)
+    shards = functools.partial(dcp.save, state, checkpoint_id=tmp)  # here, over the default group
+    written = write_checkpoint(cfg, final, shards, rng_state(), train_state)
+    return WRITER.submit(lambda: written)
+
+
+def write_checkpoint(cfg, final, write_shards, rng, train_state, group=None):
+    """Write ckpt/step_N.tmp (write_shards(), rng.pt, train_state.json), fsync it, write its marker
+    last and rename it to step_N; then drop the oldest beyond ckpt_keep. Every rank calls it."""
+    t0 = time.perf_counter()
+    ckpt_root, tmp = os.path.dirname(final), final + ".tmp"
     try:
-        dcp.save(training_state(model, optimizer, step), checkpoint_id=tmp)
-        if is_master():  # dcp.save returns on rank 0 once every rank's files are written
-            save_rng(os.path.join(tmp, "rng.pt"))
-            train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
-                               world_size=rank_and_world_size()[1],
-                               model_config=dataclasses.asdict(model.config),
-                               config=dataclasses.asdict(cfg))
+        write_shards()
+        if is_master():  # the DCP save returns on rank 0 once every rank's files are written
+            with atomic_write(os.path.join(tmp, "rng.pt")) as f:
+                f.write(rng)
             write_json(os.path.join(tmp, "train_state.json"), train_state)
-            write_json(os.path.join(tmp, MARKER), dict(step=step, sizes=fsync_tree(tmp)))
+            sizes = fsync_tree(tmp)
+            write_json(os.path.join(tmp, MARKER), dict(step=train_state["step"], sizes=sizes))
             os.rename(tmp, final)
             fsync_dir(ckpt_root)
     except (Exception, dcp.CheckpointException) as e:
@@ -515,8 +535,8 @@ def save_checkpoint(cfg, model, optimizer, step, data):
     if is_master():
         for old in complete_checkpoints(ckpt_root)[:-cfg.ckpt_keep]:
             shutil.rmtree(old)
-    barrier()
-    return final
+    barrier(group)
+    return final, time.perf_counter() - t0
 
 
 def checkpoint_error(error, final):
@@ -1121,6 +1141,39 @@ class StopRequest:
             signal.signal(s, handler)
 
 
+class Checkpoints:
+    """The run's checkpoint writes, one at a time. Under async_checkpoint the step waits only for
+    the copy of the state; the next save, a stop, the end of the run and an error wait for the
+    write, and its error (a full disk) is raised there."""
+
+    def __init__(self, cfg, log):
+        self.cfg, self.log, self.written, self.group = cfg, log, None, None
+        if cfg.async_checkpoint and dist.is_initialized():
+            # Its own gloo group, as torchtitan's: the write's collectives and training's never mix.
+            timeout = timedelta(seconds=cfg.dist_timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def save(self, model, optimizer, step, data, wait=False):
+        t0 = time.perf_counter()
+        self.wait()
+        self.written = save_checkpoint(self.cfg, model, optimizer, step, data, self.group)
+        self.waited = time.perf_counter() - t0
+        if wait or not self.cfg.async_checkpoint:
+            self.wait()
+
+    def poll(self):
+        """Say that the write is done, once it is; a failed one is left to wait()."""
+        if self.written is not None and self.written.done() and not self.written.exception():
+            self.wait()
+
+    def wait(self):
+        if self.written is not None:
+            written, self.written = self.written, None
+            path, seconds = written.result()
+            self.log(f"saved checkpoint {path} (the step waited {self.waited:.1f} s, the write "
+                     f"took {seconds:.1f} s)")
+
+
 def say(text):
     print(text, file=sys.stderr, flush=True)
 
@@ -1364,7 +1417,7 @@ def setup(cfg, world_size, device, log, stop):
     return 128 + (stop.signal or signal.SIGTERM)
 
 
-def train(cfg, rank, world_size, device, log, stop):
+def train(cfg, rank, world_size, device, log, stop, checkpoints):
     """Set up, then train from the start step to max_steps; the exit status."""
     training = setup(cfg, world_size, device, log, stop)
     if not isinstance(training, Training):
@@ -1380,9 +1433,7 @@ def train(cfg, rank, world_size, device, log, stop):
     def save(done, stopping=False):
         """Checkpoint after `done` steps; on a stop, the exit status 128 + signum (143 for
         SIGTERM, also on ranks that only heard of it from another), or the data error raised."""
-        t0 = time.perf_counter()
-        path = save_checkpoint(cfg, model, optimizer, done, data)
-        log(f"saved checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+        checkpoints.save(model, optimizer, done, data, wait=stopping)
         if stop.error is not None:
             raise stop.error
         if stopping:
@@ -1429,6 +1480,7 @@ def train(cfg, rank, world_size, device, log, stop):
             opt.step()
             opt.zero_grad(set_to_none=True)
         stop_requested = step_log.end_step(step, lr, loss, norm, stop)
+        checkpoints.poll()
 
         done = step + 1
         checkpoint_due = done == cfg.max_steps or \
@@ -1440,6 +1492,7 @@ def train(cfg, rank, world_size, device, log, stop):
             status = save(done, stopping=stop_requested)
             if stop_requested:
                 return status
+    checkpoints.wait()
     publish_hf(model, cfg)
     return 0
 
@@ -1487,8 +1540,12 @@ def run(cfg, restore_signals=True):
         log_dir = os.path.join(cfg.out_dir, "eval")
     log = RunLog(log_dir)
     stop = StopRequest()
+    checkpoints = Checkpoints(cfg, log)
     try:
-        return train(cfg, rank, world_size, device, log, stop)
+        try:
+            return train(cfg, rank, world_size, device, log, stop, checkpoints)
+        finally:  # a stop, the end of the run or an error: the write in flight is finished first
+            checkpoints.wait()
     except Exception as e:
         cause = None
         if world_size > 1:

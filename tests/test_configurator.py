@@ -216,6 +216,13 @@ def test_a_recipe_without_optimizer_values_gets_its_optimizers_defaults_and_stri
     assert cfg.split == "0.90, 0.10, 0.00"
 
 
+def test_automodels_is_async_is_async_checkpoint(data, tmp_path):
+    for written, value in (("true", True), ("false", False)):
+        recipe = todays_recipe(tmp_path, data, ("  save_consolidated: false",
+                                                f"  save_consolidated: false\n  is_async: {written}"))
+        assert train_gpt2.load_config([recipe]).async_checkpoint is value
+
+
 @pytest.mark.parametrize("key, pointer", [
     ("learning_rate", "it is --lr"), ("block_size", "it is --seq_length"), ("max_iters", "it is --max_steps"),
     ("lr_decay_iters", "the cosine decay always ends at --max_steps"), ("warmup_iters", "it is --lr_warmup_steps"),

@@ -4,6 +4,7 @@ compile, activation checkpointing, the memory plan against measurement), compara
 (val windows, --eval_only, HellaSwag, epochs, metrics), token ids outside the vocabulary, full disks and wandb.
 Most runs use the byte-level Shakespeare dataset (vocabulary 512) and the 2-layer model of conftest.tiny: the tokenizer
 is not the subject."""
+import errno
 import glob
 import json
 import os
@@ -309,6 +310,71 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_naming_it(data, tmp_path):
                         result.stderr.splitlines()[-1]), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path / "out" / "ckpt") == []
+
+
+# The write of checkpoint step 20 stops inside its shard, in the thread that writes it, until the process is killed
+# (kill -9) at the 25th optimizer step, once the write is known to be stopped there: no race with a sleep.
+KILL_INSIDE_A_BACKGROUND_WRITE = """
+import os, signal, sys, threading
+import torch
+import torch.distributed.checkpoint.filesystem as fs
+import train_gpt2
+inside, real_write, real_step, steps = threading.Event(), fs._write_item, torch.optim.AdamW.step, [0]
+def write_item(transforms, stream, *rest, **kwargs):
+    if "step_00000020.tmp" in stream.name:
+        inside.set()
+        threading.Event().wait()
+    return real_write(transforms, stream, *rest, **kwargs)
+def step(self, *args, **kwargs):
+    result = real_step(self, *args, **kwargs)
+    steps[0] += 1
+    if steps[0] == 25:
+        assert threading.current_thread() is threading.main_thread()
+        inside.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+fs._write_item, torch.optim.AdamW.step = write_item, step
+train_gpt2.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_kill9_inside_a_background_checkpoint_write_then_a_rerun_gives_the_uninterrupted_run(data, tmp_path):
+    reference, out = tmp_path / "reference", tmp_path / "killed"
+    args = dict(max_steps=30, index_mapping_dir=str(tmp_path / "c"))
+    assert train_gpt2.main(tiny(data, reference, **args)) == 0
+    result = subprocess.run([sys.executable, "-c", KILL_INSIDE_A_BACKGROUND_WRITE, *tiny(data, out, **args)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert checkpoints(out) == ["step_00000010", "step_00000020.tmp"]
+    assert max(metrics(out, "train_loss")) >= 22  # training went on while step 20 was written
+    assert train_gpt2.main(tiny(data, out, **args)) == 0
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(reference, key)
+
+
+@pytest.mark.parametrize("async_checkpoint", [True, False])
+def test_a_full_disk_during_a_background_write_is_one_line_and_leaves_the_previous_checkpoint(
+        data, tmp_path, monkeypatch, async_checkpoint):
+    """In the background the error is raised at the next save (step 6), in the blocking save at once (step 4)."""
+    import torch.distributed.checkpoint.filesystem as fs
+    real_write = fs._write_item
+
+    def write_item(transforms, stream, *rest, **kwargs):
+        if "step_00000004" in stream.name:
+            raise OSError(errno.ENOSPC, "No space left on device", stream.name)
+        return real_write(transforms, stream, *rest, **kwargs)
+    monkeypatch.setattr(fs, "_write_item", write_item)
+    out = tmp_path / "full"
+    args = tiny(data, out, max_steps=8, ckpt_every_steps=2, async_checkpoint=async_checkpoint)
+    monkeypatch.setattr(sys, "argv", ["train_gpt2.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        train_gpt2.cli()
+    assert re.fullmatch(r"train_gpt2\.py: error: .*step_00000004\.tmp/__0_0\.distcp: writing checkpoint "
+                        r".*step_00000004 failed( on rank 0)?: No space left on device; the disk is full: free "
+                        r"some space or choose another out_dir", exit_info.value.code)
+    assert os.listdir(out / "ckpt") == ["step_00000002"]
+    assert max(metrics(out, "train_loss")) == {True: 5, False: 3}[async_checkpoint]
 
 
 @pytest.mark.slow

@@ -299,12 +299,14 @@ def test_a_schedulers_double_sigterm_still_checkpoints_at_the_stop_step_and_resu
 KILL_IN_SECOND_CHECKPOINT_WRITE = """
 import os, signal, sys
 import train_gpt2
-real_save = train_gpt2.dcp.save
-def save_then_die(state_dict, checkpoint_id, **kwargs):
-    real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
-    if checkpoint_id.endswith("step_00000020.tmp"):
-        os.kill(os.getpid(), signal.SIGKILL)
-train_gpt2.dcp.save = save_then_die
+real_write = train_gpt2.write_checkpoint
+def write_then_die(cfg, final, write_shards, *rest):  # killed once the DCP shards are written
+    def shards_then_die():
+        write_shards()
+        if final.endswith("step_00000020"):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real_write(cfg, final, shards_then_die, *rest)
+train_gpt2.write_checkpoint = write_then_die
 train_gpt2.main(sys.argv[1:])
 """
 
@@ -570,17 +572,14 @@ if kind == "step" and rank == args[0]:  # after this process's args[1]-th optimi
         return result
     torch.optim.AdamW.step = step
 if kind == "bytes" and rank == args[0]:  # once args[2] bytes of this rank's shard of checkpoint step args[1] are out
-    real_save, real_write, current = train_gpt2.dcp.save, fs._write_item, [""]
-    def save(state_dict, checkpoint_id, **kwargs):
-        current[0] = str(checkpoint_id)
-        return real_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+    real_write = fs._write_item
     def write_item(transforms, stream, *rest, **kwargs):
         result = real_write(transforms, stream, *rest, **kwargs)
-        if current[0].endswith(f"step_{args[1]:08d}.tmp") and stream.tell() >= args[2]:
+        if f"step_{args[1]:08d}.tmp" in stream.name and stream.tell() >= args[2]:
             stream.flush()
             die()
         return result
-    train_gpt2.dcp.save, fs._write_item = save, write_item
+    fs._write_item = write_item
 if kind == "sigterm_at_eval":  # every rank signalled at the start of the evaluation at step args[0]
     real_evaluate = train_gpt2.Evaluator.__call__
     def evaluate(self, model, step, stop, *rest):
