@@ -56,7 +56,10 @@ def usable_cores():
 
 def log(message):
     if distributed()[0] == 0:
-        print(f"indexed_dataset: {message}", file=sys.stderr, flush=True)
+        # One write per line: print() writes the newline apart, and the blend's helper thread logs
+        # beside the main thread.
+        sys.stderr.write(f"indexed_dataset: {message}\n")
+        sys.stderr.flush()
 
 
 # The .bin/.idx files
