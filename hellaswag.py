@@ -30,10 +30,12 @@ def read_jsonl(path, data):
         if not line.strip():
             continue
         where = f"{path}, line {line_number}"
-        try:  # UnicodeDecodeError is a ValueError too
+        try:
             ex = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:  # a ValueError too: named apart, as it needs another fix
+            raise ValueError(f"{where}: not UTF-8 ({e})") from None
         except ValueError as e:
-            raise ValueError(f"{where}: not UTF-8 JSON ({e})") from None
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
         endings = isinstance(ex, dict) and ex.get("endings")
         four_strings = isinstance(endings, list) and [type(e) for e in endings] == [str] * 4
         if not (four_strings and isinstance(ex.get("ctx"), str) and ex.get("label") in range(4)):

@@ -234,7 +234,7 @@ def test_invalid_utf8_is_one_line_naming_the_file_and_line(tmp_path, hf_dir):
     good = open(FIXTURE, "rb").read().splitlines()
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b"\n".join([good[0], good[1].replace(b'"ctx": "', b'"ctx": "caf\xe9 ', 1), good[2]]) + b"\n")
-    with pytest.raises(ValueError, match=r"latin1\.jsonl, line 2: ") as error:
+    with pytest.raises(ValueError, match=r"latin1\.jsonl, line 2: not UTF-8 ") as error:
         hellaswag.load_examples(str(path))
     assert "\n" not in str(error.value) and error.value.__suppress_context__
     with pytest.raises(SystemExit, match=r"^hellaswag\.py: error: .*latin1\.jsonl, line 2: "):
@@ -246,7 +246,7 @@ def test_download_once_then_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HELLASWAG_CACHE", str(cache))
     bad = write_lines(tmp_path / "corrupt.jsonl", ['{"ctx": "x"'])
     monkeypatch.setattr(hellaswag, "HELLASWAG_URL", "file://" + bad)
-    with pytest.raises(ValueError, match="corrupt.jsonl, line 1: "):
+    with pytest.raises(ValueError, match="corrupt.jsonl, line 1: not valid JSON "):
         hellaswag.load_examples()
     assert not cache.exists() or os.listdir(cache) == []  # a bad download leaves nothing that looks cached
 
