@@ -134,6 +134,7 @@ def _compiled_chunk_loss():
     # AOTAutograd derives the backward; Inductor fuses each direction into a few passes.
     return torch.compile(_real_vocab_chunk_loss)
 
+
 # Logits the loss head holds at once (rows x vocabulary rows of the weight): 8,192 and 128 rows of
 # GPT-2's 50,304. Fewer hold less memory; more make each matmul larger and spread the per-chunk
 # cost of adding into the fp32 weight gradient. On the CPU, chunks under glibc's 32 MiB mmap
@@ -185,6 +186,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_weight = ctx.saved_tensors
         # in place, because the weight gradient is as large as the weight and the backward runs once
         return grad_x * grad_output, grad_weight.mul_(grad_output), None, None, None, None, None
+
 
 # Dynamo cannot trace the autograd.grad in the head's forward. Inside a whole-model torch.compile
 # the head runs as it does outside one, and compile_loss compiles its chunks.
