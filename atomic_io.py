@@ -40,6 +40,20 @@ def lock_file(path):
     return fd
 
 
+def lock_holder(path):
+    """What the process that holds lock file `path` wrote in it, or None where none holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # no such file: no run ever held it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except (BlockingIOError, PermissionError):
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+    finally:
+        os.close(fd)
+
 def remove_stale_temporaries(directory, keep_empty=True):
     """Remove the temporaries (.*.tmp) in `directory` whose writers died (kill -9): those whose
     flock can be taken. An empty one may be a live writer's before its flock, so it stays, unless

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from atomic_io import atomic_write
-from model import load_model
+from checkpoint import load_model
 from tokenizer import VOCAB_SIZE, gpt2_encoding
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"

@@ -643,6 +643,25 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     return build_in_turns(builder.build)
 
 
+def train_samples(paths, *, seq_length, split, seed, num_samples, cache_dir=None, fallback_cache_dir=None):
+    """The train split's samples, num_samples of them (None: one epoch), as build_gpt_datasets makes
+    them; an unweighted list of prefixes asked for more than one epoch is blended by token count."""
+    prefixes, weights = resolve_blend(paths)
+    if num_samples is not None and weights is None and len(prefixes) > 1:
+        # An unweighted list gives at most one epoch of each prefix (Megatron's limit), so a longer
+        # run blends them by token count from the start, each repeated in whole epochs.
+        epoch = one_epoch_samples(paths, seq_length=seq_length, split=split)
+        if num_samples > epoch:
+            log(f"{paths}: {num_samples:,} samples are more than one epoch ({epoch:,}); the prefixes "
+                "are blended by token count, each repeated in whole epochs")
+            paths = token_weighted_blend(paths)
+    train, _, _ = build_gpt_datasets(paths, seq_length=seq_length, split=split, seed=seed,
+                                     sizes=(num_samples, 0, 0), cache_dir=cache_dir,
+                                     fallback_cache_dir=fallback_cache_dir)
+    if train is None:
+        raise ValueError(f"{paths}: the train split is empty (split {split!r})")
+    return train
+
 def build_in_turns(build):
     """build() on every rank: first on each node's leader, which writes the index cache (leaders on
     one filesystem write the same entries, each through its own temporaries), then on the others,

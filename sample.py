@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from model import load_model
+from checkpoint import load_model
 from tokenizer import EOT_ID, VOCAB_SIZE, gpt2_encoding
 
 

@@ -12,56 +12,35 @@ Where the common edits go: the model, its activation, attention and loss are in 
 learning-rate schedule is lr_at(), the optimizer and its parameter groups are build_optimizer(),
 and one training step is the body of the loop in train().
 """
-import sys
-
-if sys.version_info < (3, 10):
-    # Checked before any import: TrainConfig's `str | None` fields are a TypeError on Python 3.9.
-    sys.exit("train_gpt2.py: error: Python 3.10 or newer is needed, this is Python %d.%d"
-             % sys.version_info[:2])
-
-import concurrent.futures
 import dataclasses
-import errno
-import functools
 import gc
-import hashlib
 import importlib.util
-import io
-import json
 import math
 import os
 import queue
-import random
-import re
-import resource
-import shutil
 import signal
+import sys
 import threading
 import time
 import typing
-import warnings
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
 
 import hellaswag
-from atomic_io import LockHeld, atomic_write, error_reason, fsync_dir, lock_file
+from checkpoint import (Checkpoints, data_state, init_checkpoint, last_good_checkpoint,
+                        load_init_checkpoint, read_train_state, resume)
 from configurator import NANOGPT_INIT_FROM, config_help, parse_config
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, build_gpt_datasets,
-                             first_samples_agree, one_epoch_samples, resolve_blend,
-                             sequential_samples, token_weighted_blend)
-from model import (ACTIVATIONS, GPT, MARKER, GPTConfig, complete_checkpoints, export_hf,
-                   init_sharded, is_run_or_checkpoint, load_hf_sharded, load_weights,
-                   newest_usable_checkpoint, read_train_state,
-                   resolve_checkpoint, resolve_pretrained, set_aside)
+from hf_files import load_hf_sharded, resolve_pretrained
+from indexed_dataset import (LLMCValWindows, PretrainingSampler, resolve_blend,
+                             sequential_samples, train_samples)
+from model import ACTIVATIONS, GPT, GPTConfig, init_sharded
+from processes import (StopRequest, any_rank, error_line, is_master, on_each_node, on_rank0,
+                       peak_memory, rank_and_world_size, setup_distributed)
+from run_dir import RunLog, nothing_left, prepare_out_dir, publish_hf, unlock_out_dirs
 from sample import sample_texts
-from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
+from tokenizer import VOCAB_SIZE
 
 
 @dataclasses.dataclass
@@ -187,8 +166,6 @@ def load_config(argv):
 
 # The oldest torch the whole test suite passes on (bench/compat.sh; docs/development.md says why).
 MIN_TORCH = "2.9.1"
-# torch's own checkpoint writer calls tensor.storage(): the deprecation warning is not the user's.
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
 
 
 def torch_version_problem(version=torch.__version__):
@@ -203,534 +180,6 @@ def torch_version_problem(version=torch.__version__):
 # wins, so a more specific name comes before the name it contains ("H200 NVL" before "H200").
 PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200 NVL", 835),
                     ("H200", 989), ("A100", 312), ("B200", 2250)]
-
-
-# -------------------------------------------------------------------------------------------------
-# processes and the out_dir
-
-def setup_distributed(device_choice="auto", timeout_s=900):
-    """(rank, world_size, device); under torchrun also the process group: NCCL on GPUs, gloo on CPU."""
-    if device_choice == "cuda" and not torch.cuda.is_available():
-        raise ValueError("config: device is 'cuda' but torch sees no CUDA GPU")
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    torch.backends.cuda.matmul.allow_tf32 = use_cuda  # TF32 matmuls on GPUs, as cuDNN already does
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if use_cuda else "cpu")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = timedelta(seconds=timeout_s)
-    if not use_cuda:
-        dist.init_process_group("gloo", timeout=timeout)
-        return rank, world_size, torch.device("cpu")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", timeout=timeout, device_id=device)
-    return rank, world_size, device
-
-
-# Each helper below also works without a process group (one process), so callers never branch.
-def rank_and_world_size():
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def is_master():
-    return rank_and_world_size()[0] == 0
-
-
-def barrier(group=None):
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def broadcast_object(obj):
-    box = [obj]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def first_error(error):
-    """Raise on every rank the first rank's `error` (None where that rank had none)."""
-    errors = [error]
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    for error in errors:
-        if error is not None:
-            raise error
-
-
-def on_rank0(work):
-    """work() done by rank 0 alone; its result on every rank, or its error raised on every rank."""
-    result = error = None
-    if is_master():
-        try:
-            result = work()
-        except (ValueError, OSError) as e:
-            error = e
-    result, error = broadcast_object((result, error))
-    if error is not None:
-        raise error
-    return result
-
-
-def on_each_node(work):
-    """work() done first by each node's local rank 0, then by the node's other ranks, which find
-    its result there (a hub download into the node's own cache: nodes need not share a home)."""
-    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    result = None
-    for my_turn in (first, not first):
-        error = None
-        if my_turn:
-            try:
-                result = work()
-            except (ValueError, OSError) as e:
-                error = e
-        first_error(error)
-    return result
-
-
-def any_rank(flag):
-    """Whether `flag` is true on any rank (a collective: every rank calls it)."""
-    if not dist.is_initialized():
-        return bool(flag)
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.tensor(float(bool(flag)), device=device)
-    dist.all_reduce(total)
-    return total.item() > 0
-
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-# What a run writes into out_dir. A non-empty directory holding none of these is someone else's.
-RUN_FILES = ("train_config.json", "ckpt", "main.log", "metrics.jsonl", ".lock")
-HF_MARKER = ".train_gpt2.json"  # in every hf/ export: only such an hf/ may be replaced
-LOCKS = []  # this process's out_dir locks, released when run() returns
-
-
-def lock_out_dir(out_dir):
-    """An exclusive flock on out_dir/.lock, which the kernel drops when the process dies."""
-    try:
-        LOCKS.append(lock_file(os.path.join(out_dir, ".lock")))
-    except LockHeld as e:
-        raise ValueError(f"{out_dir}: another run is training in this out_dir ({e}); "
-                         f"wait for it to end, stop it, or choose another out_dir") from None
-
-
-def cut_torn_line(path):
-    """Cut a last line without a newline (the run was killed while writing it), so that the next
-    record does not run into it; a message saying so, or None."""
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb+") as f:
-        text = f.read()
-        if not text or text.endswith(b"\n"):
-            return None
-        keep = text.rfind(b"\n") + 1
-        f.truncate(keep)
-    return f"{path}: cut its partial last line (the run was killed while writing it): " \
-           f"{text[keep:][:60]!r}"
-
-
-def check_out_dir(out_dir):
-    """Refuse an out_dir that is not a run's own directory."""
-    if not out_dir.strip():
-        raise ValueError("config: out_dir is empty; name a directory for the run, e.g. --out_dir=out")
-    path = os.path.realpath(out_dir)
-    for name, protected in (("the current directory", os.getcwd()), ("the project directory", ROOT)):
-        protected = os.path.realpath(protected)
-        if protected == path or protected.startswith(path.rstrip(os.sep) + os.sep):
-            raise ValueError(f"{out_dir}: out_dir is {name} or one of its parents; "
-                             "name a directory of its own")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{out_dir}: out_dir is a file; name a directory")
-    entries = []
-    if os.path.isdir(path):
-        entries = os.listdir(path)
-    if entries and not set(RUN_FILES) & set(entries):
-        raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. "
-                         f"{sorted(entries)[0]!r}) but no train_config.json, ckpt/ or main.log: "
-                         "not a training run's directory; name a new one")
-
-
-def prepare_out_dir(out_dir, eval_only=False):
-    """On rank 0: check and lock out_dir, remove interrupted writes; the newest usable checkpoint or
-    None. Under eval_only the run's logs stay as they are: results go to out_dir/eval/."""
-    check_out_dir(out_dir)
-    ckpt_root = os.path.join(out_dir, "ckpt")
-    os.makedirs(ckpt_root, exist_ok=True)
-    lock_out_dir(out_dir)
-    for name in os.listdir(ckpt_root):
-        if name.endswith(".tmp"):  # ours: the lock says that no other run is writing it
-            print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
-            shutil.rmtree(os.path.join(ckpt_root, name))
-    resume_path, messages = newest_usable_checkpoint(ckpt_root)
-    damaged = sorted(name for name in os.listdir(ckpt_root) if ".damaged-" in name)
-    if resume_path is None and damaged and not eval_only:
-        # Starting again from step 0 here would bury the run those checkpoints belonged to.
-        raise ValueError(f"{ckpt_root}: no checkpoint is usable (damaged ones were renamed "
-                         f"*.damaged-*, e.g. {damaged[-1]}); start a fresh run in another out_dir")
-    log_dir = out_dir
-    if eval_only:
-        log_dir = os.path.join(out_dir, "eval")
-    os.makedirs(log_dir, exist_ok=True)
-    for name in ("main.log", "metrics.jsonl"):
-        log_path = os.path.join(log_dir, name)
-        if resume_path or eval_only:  # appended to from here on
-            messages.append(cut_torn_line(log_path))
-        elif os.path.exists(log_path):  # a fresh run never mixes its curves with an older run's
-            k = 1
-            while os.path.exists(f"{log_path}.{k}"):
-                k += 1
-            os.rename(log_path, f"{log_path}.{k}")
-            messages.append(f"{log_path} of an earlier run moved to {log_path}.{k}")
-    for message in messages:
-        if message:
-            print(message)
-    return resume_path
-
-
-# -------------------------------------------------------------------------------------------------
-# checkpoints (model.py reads them too: complete_checkpoints, newest_usable_checkpoint, load_model)
-
-def last_good_checkpoint(out_dir):
-    """Where a run stopped for non-finite numbers can be taken up again, as a sentence."""
-    kept = complete_checkpoints(os.path.join(out_dir, "ckpt"))
-    if not kept:
-        return "The last good checkpoint is none (none was written)"
-    return f"The last good checkpoint is {kept[-1]}"
-
-
-def local(tensor):
-    """This rank's part of a parameter or state tensor: a DTensor's shard, or all of a plain one."""
-    if hasattr(tensor, "to_local"):
-        return tensor.detach().to_local()
-    return tensor.detach()
-
-
-def nonfinite(model, optimizer=None):
-    """Names of this rank's parameters (and optimizer moments) holding NaN or inf, or a negative
-    exp_avg_sq, in one device sync."""
-    checks = {name: torch.isfinite(local(p)).all() for name, p in model.named_parameters()}
-    names = {p: name for name, p in model.named_parameters()}
-    states = [item for opt in optimizer or [] for item in opt.state.items()]
-    for p, state in states:
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() > 0:  # the moments, not the step
-                ok = torch.isfinite(local(value)).all()
-                if key == "exp_avg_sq":
-                    ok = ok & (local(value) >= 0).all()
-                checks[f"{names[p]} ({key})"] = ok
-    flags = torch.stack(list(checks.values())).tolist()
-    return [name for name, ok in zip(checks, flags) if not ok]
-
-
-def assert_finite(model, what, out_dir):
-    """FloatingPointError on every rank when any rank's shard holds NaN or inf, so that no such
-    weights are ever saved or exported."""
-    bad = nonfinite(model)
-    if any_rank(bad):
-        where = ", ".join(bad[:3]) or "on another rank"
-        raise FloatingPointError(f"{what}: parameters hold NaN or inf ({where}); nothing was "
-                                 f"written. {last_good_checkpoint(out_dir)}")
-
-
-# The optimizer's state is saved per parameter name ("state.<name>.exp_avg"); the groups'
-# hyperparameters are not saved, as build_optimizer() and the config set them. So a resume pairs
-# each parameter with its own moments even where the grouping changed.
-BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def training_state(model, optimizer, step):
-    """The state dict that a checkpoint at `step` holds. Before the first update AdamW has no
-    state, and get_state_dict would make one up (step 1, zero moments) that changes every later
-    update: a step-0 checkpoint holds the model alone."""
-    if step == 0:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer, options=BY_NAME)
-    per_parameter = {key: value for key, value in optim_state.items() if key.startswith("state.")}
-    return {"model": model_state, "optim": per_parameter}
-
-
-def rng_state():
-    """The random generators' states, serialized in memory: a full disk then fails in write() as an
-    OSError naming the file, where torch.save's zip writer says "unexpected pos"."""
-    state = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(),
-                 python=random.getstate(), cuda=None)
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def write_json(path, obj):
-    with atomic_write(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-
-
-def fsync_tree(path):
-    """fsync every file in directory `path`, then the directory; {file name: size} for the marker."""
-    sizes = {}
-    for name in sorted(os.listdir(path)):
-        with open(os.path.join(path, name), "rb") as f:
-            os.fsync(f.fileno())
-        sizes[name] = os.path.getsize(os.path.join(path, name))
-    fsync_dir(path)
-    return sizes
-
-
-WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # so one checkpoint write at a time
-
-
-def save_checkpoint(cfg, model, optimizer, step, data, group=None):
-    """Checkpoint `step`: the state, the random generators and train_state.json as they are now; a
-    Future of write_checkpoint's (path, seconds). Every rank calls it. Under async_checkpoint the
-    state is copied to CPU memory (dcp.async_save) and a thread writes it beside training."""
-    assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
-    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
-    final = os.path.join(ckpt_root, f"step_{step:08d}")
-    if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
-        return WRITER.submit(lambda: (final, 0.0))  # already saved: a run resumed here and stopped
-    tmp = final + ".tmp"
-    if is_master():
-        if os.path.exists(final):
-            print(f"incomplete checkpoint {final} moved to {set_aside(final, 'incomplete')}")
-        shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted write
-        os.makedirs(tmp)
-    barrier()
-    state = training_state(model, optimizer, step)
-    train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
-                       world_size=rank_and_world_size()[1], config=dataclasses.asdict(cfg),
-                       model_config=dataclasses.asdict(model.config))
-    if cfg.async_checkpoint:
-        shards = dcp.async_save(state, checkpoint_id=tmp, process_group=group).result
-        return WRITER.submit(write_checkpoint, cfg, final, shards, rng_state(), train_state, group)
-    shards = functools.partial(dcp.save, state, checkpoint_id=tmp)  # here, over the default group
-    written = write_checkpoint(cfg, final, shards, rng_state(), train_state)
-    return WRITER.submit(lambda: written)
-
-
-def write_checkpoint(cfg, final, write_shards, rng, train_state, group=None):
-    """Write ckpt/step_N.tmp (write_shards(), rng.pt, train_state.json), fsync it, write its marker
-    last and rename it to step_N; then drop the oldest beyond ckpt_keep. Every rank calls it."""
-    t0 = time.perf_counter()
-    ckpt_root, tmp = os.path.dirname(final), final + ".tmp"
-    try:
-        write_shards()
-        if is_master():  # the DCP save returns on rank 0 once every rank's files are written
-            with atomic_write(os.path.join(tmp, "rng.pt")) as f:
-                f.write(rng)
-            write_json(os.path.join(tmp, "train_state.json"), train_state)
-            sizes = fsync_tree(tmp)
-            write_json(os.path.join(tmp, MARKER), dict(step=train_state["step"], sizes=sizes))
-            os.rename(tmp, final)
-            fsync_dir(ckpt_root)
-    except (Exception, dcp.CheckpointException) as e:
-        if is_master():
-            shutil.rmtree(tmp, ignore_errors=True)  # frees the space; it never held a marker
-        raise checkpoint_error(e, final) from None
-    if is_master():
-        for old in complete_checkpoints(ckpt_root)[:-cfg.ckpt_keep]:
-            shutil.rmtree(old)
-    barrier(group)
-    return final, time.perf_counter() - t0
-
-
-def checkpoint_error(error, final):
-    """The OSError that says why writing checkpoint `final` failed (a full disk, a read-only
-    directory), on which rank; or `error` itself. DCP wraps each rank's exception."""
-    failures = getattr(error, "failures", None) or {}
-    causes = [(f" on rank {rank}", failures[rank]) for rank in sorted(failures)]
-    for where, cause in causes or [("", error)]:
-        if isinstance(cause, tuple):
-            cause = cause[0]
-        if isinstance(cause, (OSError, RuntimeError)):
-            code, reason = getattr(cause, "errno", None), error_reason(cause)
-            if code is None and disk_full(os.path.dirname(final)):
-                # torch's zip writer (DCP writes small items with it) says only "unexpected pos".
-                code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
-            return OSError(code, f"writing checkpoint {final} failed{where}: {reason}",
-                           getattr(cause, "filename", None))
-    return error
-
-
-def disk_full(path):
-    """Whether the filesystem of `path` has less than a MiB left."""
-    try:
-        return shutil.disk_usage(path).free < 2**20
-    except OSError:
-        return False
-
-
-def load_state(path, model, optimizer):
-    """Load checkpoint `path` into the model, the optimizer and the random generators; its
-    train_state.json. The optimizer keeps its own groups; each parameter gets its saved moments."""
-    train_state = read_train_state(path)
-    state = training_state(model, optimizer, train_state["step"])
-    dcp.load(state, checkpoint_id=path)  # in place
-    if "optim" in state:
-        _, groups = get_state_dict(model, optimizer, options=BY_NAME)
-        groups = {k: v for k, v in groups.items() if k.startswith("param_groups.")}
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict={**state["optim"], **groups}, options=BY_NAME)
-    else:  # no update yet: AdamW starts without state, as in the uninterrupted run
-        set_model_state_dict(model, state["model"])
-        for opt in optimizer:
-            opt.state.clear()
-    if nonfinite(model, optimizer):
-        raise FloatingPointError("it holds NaN or inf weights, or a negative or non-finite "
-                                 "Adam moment")
-    # Every rank was seeded alike and nothing draws per-rank randomness: rank 0's states serve all.
-    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    return train_state
-
-
-def load_checkpoint(ckpt_path, model, optimizer):
-    """Load the newest checkpoint that loads on every rank, from `ckpt_path` back; one that fails
-    on any rank is set aside as damaged. Its train_state.json."""
-    ckpt_root = os.path.dirname(ckpt_path)
-    older = [path for path in reversed(complete_checkpoints(ckpt_root)) if path < ckpt_path]
-    for path in [ckpt_path] + broadcast_object(older):
-        error = None
-        try:
-            train_state = load_state(path, model, optimizer)
-        except (Exception, dcp.CheckpointException) as e:
-            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        if not any_rank(error is not None):
-            return train_state
-        if is_master():
-            print(f"skipping checkpoint {path}: it failed to load ({error or 'on another rank'}); "
-                  f"kept as {set_aside(path, 'damaged')}")
-        barrier()
-    raise ValueError(f"{ckpt_root}: no checkpoint loads (damaged ones were renamed *.damaged-*); "
-                     "start a fresh run in another out_dir")
-
-
-def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
-    """Load the checkpoint; its step. A change to the tokens the run sees, or to their order, is
-    refused unless resume_allow_data_change."""
-    saved = read_train_state(resume_path)["config"].get("optimizer", "adamw")
-    if saved != cfg.optimizer:  # its state would not fit: every checkpoint would fail to load
-        raise ValueError(f"{resume_path}: the run was trained with --optimizer={saved}; resume so")
-    train_state = load_checkpoint(resume_path, model, optimizer)
-    step, saved = train_state["step"], train_state["config"]
-    if cfg.eval_only:  # an evaluation reads no training data and needs no step budget
-        return step
-    batch = saved["global_batch_size"]
-    if batch != cfg.global_batch_size:
-        # The data order and the schedule are counted in steps of the saved batch.
-        raise ValueError(f"{resume_path}: the run was trained with global_batch_size {batch}, the "
-                         f"config now says {cfg.global_batch_size}; resume with "
-                         f"--global_batch_size={batch} (on any number of ranks)")
-    if step > cfg.max_steps:
-        raise ValueError(f"{resume_path}: the checkpoint is at step {step}, "
-                         f"beyond max_steps {cfg.max_steps}")
-    changes = data_changes(train_state, cfg, data, train_data)
-    if changes and not cfg.resume_allow_data_change:
-        raise ValueError(f"{resume_path}: resuming would change the tokens the run sees or their "
-                         f"order: {'; '.join(changes)}; undo it, use a new out_dir, or set "
-                         "--resume_allow_data_change=True")
-    if changes:
-        log(f"resuming with changed data (resume_allow_data_change): {'; '.join(changes)}")
-    keys = ("max_steps", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "beta1", "beta2",
-            "adam_eps", "grad_clip", "muon_momentum", "muon_scalar_lr", "muon_embed_lr")
-    changed = config_changes({key: saved[key] for key in keys if key in saved}, cfg)
-    if changed:
-        log(f"{'; '.join(changed)}: the config wins from step {step} on; "
-            f"lr at step {step} is {lr_at(step, cfg):.3e}")
-    return step
-
-
-def data_changes(train_state, cfg, data, train_data):
-    """What differs between the saved run's tokens and order and this config's, as 'key a -> b'."""
-    saved = train_state["config"]
-    keys = ("data_paths", "split", "seed", "seq_length")
-    changes = [f"{key} {saved[key]!r} -> {getattr(cfg, key)!r}"
-               for key in keys if saved[key] != getattr(cfg, key)]
-    before, now = train_state["data"], data["data"]
-    for prefix in sorted(set(before) | set(now)):
-        if before.get(prefix) != now.get(prefix):
-            changes.append(f"data {prefix} fingerprint {before.get(prefix, 'absent')[:12]} -> "
-                           f"{now.get(prefix, 'absent')[:12]}")
-    consumed = train_state["step"] * cfg.global_batch_size
-    if changes or train_state["sample_order"] == data["sample_order"] or not consumed:
-        return changes
-    # Another plan (a new max_steps changed the epochs or the blend): what matters is the samples
-    # already consumed, so the saved run's plan is built again (from the index cache) and compared.
-    saved_cfg = dataclasses.replace(cfg, max_steps=saved["max_steps"])
-    saved_plan = build_train_data(saved_cfg, log=lambda *args, **kwargs: None)
-    if first_samples_agree(saved_plan, train_data, consumed):
-        return []
-    return [f"max_steps {saved['max_steps']} -> {cfg.max_steps} (the train split is then built in "
-            f"other epochs or blended otherwise: the {consumed:,} samples consumed differ)"]
-
-
-def config_changes(saved, cfg):
-    """'key saved -> now' for each key of the `saved` config dict that `cfg` sets otherwise."""
-    now = dataclasses.asdict(cfg)
-    changes = []
-    for key, value in saved.items():
-        unset = key == "max_steps" and now[key] is None  # one epoch, counted once the data is built
-        if key in now and now[key] != value and not unset:
-            changes.append(f"{key} {value!r} -> {now[key]!r}")
-    return changes
-
-
-def data_state(train_data):
-    """What a resume compares: each file's fingerprint and a digest of the sample order. The digest
-    covers what keys the index cache (each file's fingerprint, the split, seq_length, seed, epochs,
-    the blend's weights): equal digests are the same samples in the same order."""
-    parts = getattr(train_data, "datasets", [train_data])  # the GPTDatasets, blended or not
-    order = json.dumps(train_data.order, sort_keys=True)
-    return dict(data={part.dataset.path_prefix: part.dataset.fingerprint for part in parts},
-                sample_order=hashlib.sha256(order.encode()).hexdigest())
-
-
-def already_complete(cfg, resume_path):
-    """Whether out_dir holds the run's last checkpoint and its hf/ export: nothing left to do."""
-    try:
-        with open(os.path.join(cfg.out_dir, "hf", HF_MARKER), encoding="utf-8") as f:
-            exported = json.load(f)["step"]
-    except (OSError, ValueError, KeyError):
-        return False
-    train_state = read_train_state(resume_path)
-    last_step = cfg.max_steps or train_state["config"]["max_steps"]
-    return train_state["step"] == last_step == exported
-
-
-def publish_hf(model, cfg):
-    """The final weights (and GPT-2's tokenizer) as out_dir/hf; an hf/ that this script did not
-    write is moved aside first."""
-    if hasattr(model, "reshard"):
-        model.reshard()  # FSDP2 keeps the root's last forward unsharded (bf16): back to fp32 shards
-    assert_finite(model, "Hugging Face export", cfg.out_dir)
-    t0, hf_dir = time.perf_counter(), os.path.join(cfg.out_dir, "hf")
-    ours = os.path.exists(os.path.join(hf_dir, HF_MARKER))
-    if is_master() and os.path.isdir(hf_dir) and not ours:
-        print(f"{hf_dir} was not written by train_gpt2.py; moved to {set_aside(hf_dir, 'moved')}")
-
-    def extra_files(directory):
-        if model.config.vocab_size == VOCAB_SIZE:
-            # GPT-2's tokenizer, for its context, and generation that stops at its EOT.
-            write_hf_tokenizer(directory, model_max_length=model.config.block_size)
-            write_json(os.path.join(directory, "generation_config.json"),
-                       dict(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID))
-        write_json(os.path.join(directory, HF_MARKER),
-                   dict(written_by="train_gpt2.py", step=cfg.max_steps))
-
-    # Every rank gathers one tensor at a time to rank 0, which writes.
-    export_hf(model, hf_dir, extra_files=extra_files)
-    barrier()
-    if is_master():
-        print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -757,14 +206,10 @@ def starting_point(cfg, resume_path):
                                  n_head=cfg.n_head, n_embd=cfg.n_embd,
                                  activation=cfg.activation)
         return model_config, ("seed", cfg.seed)
-    if is_run_or_checkpoint(cfg.init_from):
-        configs = {}
-
-        def read(path):  # a live run may delete its newest checkpoint meanwhile: then the next
-            configs[path] = read_train_state(path)["model_config"]
-
-        model_config = on_rank0(lambda: configs[resolve_checkpoint(cfg.init_from, load=read)])
-        return GPTConfig(**model_config), ("checkpoint", cfg.init_from)
+    if os.path.isdir(os.path.join(cfg.init_from, "ckpt")) or \
+            os.path.isfile(os.path.join(cfg.init_from, "train_state.json")):  # a run's weights
+        path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
+        return GPTConfig(**model_config), ("checkpoint", path)
     # A hub id is downloaded by each node into its own cache.
     directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))
     hf_config = dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size)
@@ -804,41 +249,10 @@ def build_model(model_config, init, cfg, device):
     elif kind == "hf":
         load_hf_sharded(model, source)
     elif kind == "checkpoint":  # init_from another run: its weights, a fresh optimizer
-        path = load_init_checkpoint(source, model)
+        load_init_checkpoint(source, model)
         if is_master():
-            print(f"init_from: loaded the weights of {path}")
+            print(f"init_from: loaded the weights of {source}")
     return model
-
-
-def newest_untried(source, tried, why):
-    """The checkpoint `source` names, or its run's newest complete one not in `tried`."""
-    candidates = [source]
-    if not os.path.isfile(os.path.join(source, "train_state.json")):
-        candidates = complete_checkpoints(os.path.join(source, "ckpt"))
-    untried = [path for path in candidates if path not in tried]
-    if not untried:
-        raise ValueError(f"init_from {source}: no checkpoint loads (the last one tried: {why})")
-    return untried[-1]
-
-
-def load_init_checkpoint(source, model):
-    """Load the weights of `source` (a checkpoint, or a run's newest one that loads) on every rank;
-    the path. A live run may delete the chosen checkpoint before it is read: then the newest one
-    is chosen again."""
-    tried, why = [], "none"
-    while True:
-        path = on_rank0(functools.partial(newest_untried, source, tried, why))
-        error = None
-        try:
-            load_weights(path, model)
-        except (ValueError, RuntimeError, OSError, dcp.CheckpointException) as e:
-            error = e  # damaged although its files look complete, or deleted meanwhile
-        if not any_rank(error is not None):
-            return path
-        why = f"{path}: {str(error).strip().splitlines()[0] if error else 'on another rank'}"
-        if is_master():
-            print(f"init_from: skipping {why}")
-        tried.append(path)
 
 
 def build_optimizer(model, cfg, device):
@@ -932,23 +346,11 @@ def build_train_data(cfg, log):
     num_samples = None
     if cfg.max_steps is not None:
         num_samples = cfg.max_steps * cfg.global_batch_size
-    paths, (prefixes, weights) = cfg.data_paths, resolve_blend(cfg.data_paths)
-    if num_samples is not None and weights is None and len(prefixes) > 1:
-        # An unweighted list of prefixes gives at most one epoch of each (Megatron's limit), so a
-        # longer run blends them by token count from the start.
-        epoch = one_epoch_samples(paths, seq_length=cfg.seq_length, split=cfg.split)
-        if num_samples > epoch:
-            log(f"{paths}: {num_samples:,} samples are more than one epoch ({epoch:,}); the "
-                "prefixes are blended by token count, each repeated in whole epochs")
-            paths = token_weighted_blend(paths)
-            prefixes, weights = resolve_blend(paths)
-    fallback = os.path.join(cfg.out_dir, "index_cache")
-    train_data, _, _ = build_gpt_datasets(paths, seq_length=cfg.seq_length, split=cfg.split,
-                                          seed=cfg.seed, sizes=(num_samples, 0, 0),
-                                          cache_dir=cfg.index_mapping_dir,
-                                          fallback_cache_dir=fallback)
-    if train_data is None:
-        raise ValueError(f"{cfg.data_paths}: the train split is empty (split {cfg.split!r})")
+    train_data = train_samples(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split,
+                               seed=cfg.seed, num_samples=num_samples,
+                               cache_dir=cfg.index_mapping_dir,
+                               fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
+    prefixes, weights = resolve_blend(cfg.data_paths)
     if weights is not None:  # said at every start: the cache says it only when it builds the blend
         shares = [w / sum(weights) for w in weights]
         if len(prefixes) > 8:
@@ -1101,154 +503,6 @@ class Evaluator:
 # -------------------------------------------------------------------------------------------------
 # the training loop
 
-class StopRequest:
-    """Why the run should stop at the next step: a SIGTERM or SIGINT (it then checkpoints and exits
-    128 + signum), or a data error of the reading thread (it checkpoints, then reports the error).
-
-    While the run stops, more SIGTERMs are absorbed: a scheduler signals every process and then
-    torchrun forwards its own, and none may kill the worker before its checkpoint. A person's
-    second Ctrl-C is told that the checkpoint is being written; a third aborts without it."""
-
-    def __init__(self):
-        self.signal = self.time = self.error = None
-        self.interrupts = 0  # Ctrl-Cs after the first signal
-        self.told = False  # whether a repeated SIGTERM was said to be ignored
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def requested(self):
-        return self.signal is not None or self.error is not None
-
-    def handle(self, signum, frame):
-        if self.signal is None:
-            self.signal, self.time = signum, time.perf_counter()
-        elif signum == signal.SIGTERM:
-            if not self.told and is_master():
-                say("SIGTERM again while stopping: ignored, the checkpoint is being written")
-            self.told = True
-        else:
-            self.interrupts += 1
-            if self.interrupts == 1 and is_master():
-                say("stopping: the checkpoint is being written; Ctrl-C again (or kill -9) aborts "
-                    "without it, and a rerun then resumes from the checkpoint before")
-            elif self.interrupts > 1:  # the person insists: die by SIGINT, without a traceback
-                say("aborted without a checkpoint; rerun the same command to resume from the "
-                    "last one")
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-class Checkpoints:
-    """The run's checkpoint writes, one at a time. Under async_checkpoint the step waits only for
-    the copy of the state; the next save, a stop, the end of the run and an error wait for the
-    write, and its error (a full disk) is raised there."""
-
-    def __init__(self, cfg, log):
-        self.cfg, self.log, self.written, self.group = cfg, log, None, None
-        if cfg.async_checkpoint and dist.is_initialized():
-            # Its own gloo group, as torchtitan's: the write's collectives and training's never mix.
-            timeout = timedelta(seconds=cfg.dist_timeout_s)
-            self.group = dist.new_group(backend="gloo", timeout=timeout)
-
-    def save(self, model, optimizer, step, data, wait=False):
-        t0 = time.perf_counter()
-        self.wait()
-        self.written = save_checkpoint(self.cfg, model, optimizer, step, data, self.group)
-        self.waited = time.perf_counter() - t0
-        if wait or not self.cfg.async_checkpoint:
-            self.wait()
-
-    def poll(self):
-        """Say that the write is done, once it is; a failed one is left to wait()."""
-        if self.written is not None and self.written.done() and not self.written.exception():
-            self.wait()
-
-    def wait(self):
-        if self.written is not None:
-            written, self.written = self.written, None
-            path, seconds = written.result()
-            self.log(f"saved checkpoint {path} (the step waited {self.waited:.1f} s, the write "
-                     f"took {seconds:.1f} s)")
-
-
-def say(text):
-    print(text, file=sys.stderr, flush=True)
-
-
-class PeerLost(Exception):
-    """Another rank died or stopped answering: this rank ends with one line; a rerun resumes."""
-
-
-class RunLog:
-    """On rank 0: a console line, a main.log line (llm.c's format) and a metrics.jsonl record (and
-    wandb's), in out_dir (or its eval/ subdirectory under eval_only)."""
-
-    def __init__(self, out_dir):
-        self.out_dir, self.master, self.wandb = out_dir, is_master(), None
-
-    def start(self, cfg, resumed):
-        """On rank 0, once the config is accepted: train_config.json (eval_config.json under
-        eval_only) and, with wandb_log, the wandb run of this directory."""
-        name = "train_config.json"
-        if cfg.eval_only:
-            name = "eval_config.json"
-        write_json(os.path.join(self.out_dir, name), dataclasses.asdict(cfg))
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
-        if not cfg.wandb_log:
-            return
-        import wandb
-        id_path = os.path.join(self.out_dir, "wandb_run_id")
-        if resumed and os.path.exists(id_path):
-            with open(id_path, encoding="utf-8") as f:
-                run_id = f.read().strip()
-        else:
-            run_id = os.urandom(4).hex()
-            with atomic_write(id_path, "w", encoding="utf-8") as f:
-                f.write(run_id)
-        name = cfg.wandb_run_name or os.path.basename(os.path.abspath(cfg.out_dir))
-        self.wandb = wandb.init(project=cfg.wandb_project, id=run_id, resume="allow",
-                                dir=self.out_dir, name=name, config=dataclasses.asdict(cfg))
-        # Plotted against the training step, not wandb's own counter.
-        self.wandb.define_metric("*", step_metric="step")
-
-    def __call__(self, text, main_log=None, **metrics):
-        if not self.master:
-            return
-        print(text, flush=True)
-        if main_log:
-            with open(os.path.join(self.out_dir, "main.log"), "a") as f:
-                f.write(main_log + "\n")
-        if metrics:
-            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(dict(metrics, time=time.time())) + "\n")
-            if self.wandb is not None:
-                self.wandb.log(metrics)
-
-
-def peak_memory(device, reset=False):
-    """(GiB, label) of the peak since the last reset: CUDA's high-water mark, or the process's
-    VmHWM (writing 5 to clear_refs resets it)."""
-    if device.type == "cuda":
-        if reset:
-            torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
-    try:
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20, "rss"
-    except OSError:
-        pass
-    # No /proc here (some sandboxes): the peak since the process began.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
-
-
 class StepLog:
     """Each step's loss, grad norm and stop flag, copied to the host without waiting for the
     device and read a step later, so that the GPU never idles while the host logs."""
@@ -1354,25 +608,6 @@ class Training(typing.NamedTuple):
     data: dict  # data_state(train_data): what each checkpoint records of the data
 
 
-def nothing_left(cfg, resume_path, log):
-    """Whether the run in out_dir is already complete (its last checkpoint and hf/), said if so."""
-    if not resume_path or cfg.eval_only:
-        return False
-    if not on_rank0(lambda: already_complete(cfg, resume_path)):
-        return False
-    saved = on_rank0(lambda: read_train_state(resume_path)["config"])
-    # Where the run and its index cache live is no change to the run.
-    differ = config_changes({k: v for k, v in saved.items()
-                             if k not in ("out_dir", "index_mapping_dir")}, cfg)
-    text = f"{cfg.out_dir}: this run is already complete ({resume_path}, exported to hf/); " \
-           "nothing to do"
-    if differ:
-        text += (f"; the config differs from the run's ({'; '.join(differ)}) and a finished run "
-                 "takes no change: use a new out_dir, or raise max_steps to train on")
-    log(text)
-    return True
-
-
 def setup(cfg, world_size, device, log, stop):
     """out_dir, data, model, optimizer, resume and evaluation, in that order: a Training, or an
     exit status when nothing is left to train (eval_only, or a run already complete)."""
@@ -1404,7 +639,10 @@ def setup(cfg, world_size, device, log, stop):
     if train_data is not None:
         data = data_state(train_data)
     if resume_path is not None:
-        step = resume(resume_path, model, optimizer, cfg, data, log, train_data)
+        step, changed = resume(resume_path, model, optimizer, cfg, data, log, train_data)
+        if changed:
+            log(f"{'; '.join(changed)}: the config wins from step {step} on; "
+                f"lr at step {step} is {lr_at(step, cfg):.3e}")
     on_rank0(lambda: log.start(cfg, resumed=resume_path is not None))
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)
@@ -1505,32 +743,6 @@ def main(argv=None):
     return run(load_config(argv))
 
 
-GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-        "Timed out waiting", "NCCL communicator was aborted")
-
-
-def lost_peer(error):
-    """The first line of what says that another rank died or stopped answering (a gloo or NCCL
-    error in a collective, also one DCP wraps), or None."""
-    causes, seen = [error], set()
-    while causes:
-        e = causes.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, dist.DistError) or \
-                (isinstance(e, RuntimeError) and any(words in str(e) for words in GONE)):
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            return re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0]  # gloo's source location off
-        causes += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None) or {}
-        for failure in failures.values():
-            if isinstance(failure, tuple):
-                failure = failure[0]
-            causes.append(failure)
-    return None
-
-
 def run(cfg, restore_signals=True):
     """Train; with `restore_signals` False (the command line), SIGTERM and SIGINT stay absorbed
     until the process exits, so that a signal during the report of an error cannot cut it short."""
@@ -1546,36 +758,17 @@ def run(cfg, restore_signals=True):
             return train(cfg, rank, world_size, device, log, stop, checkpoints)
         finally:  # a stop, the end of the run or an error: the write in flight is finished first
             checkpoints.wait()
-    except Exception as e:
-        cause = None
-        if world_size > 1:
-            cause = lost_peer(e)
-        if cause is None:
-            raise
-        raise PeerLost("lost another rank of the run (it was killed, ended with an error of its "
-                       f"own, or its node failed or stopped answering: {cause}); rerun the same "
-                       "command to resume from the last checkpoint") from None
     finally:
         if restore_signals:
             stop.restore()
         if log.wandb is not None:
             log.wandb.finish()
-        while LOCKS:
-            os.close(LOCKS.pop())  # closing the only descriptor drops the flock
+        unlock_out_dirs()
         if dist.is_initialized():
             # Free what still refers to the process group (compiled graphs, FSDP state) first:
             # gloo otherwise aborts now and then at exit.
             gc.collect()
             dist.destroy_process_group()
-
-
-SPACE = "the disk is full: free some space or choose another out_dir"
-WRITE = "choose a directory you can write to"
-NOT_A_DIRECTORY = "a part of the path is a file, not a directory; choose another path"
-OS_ERROR_HINTS = {errno.ENOSPC: SPACE, errno.EDQUOT: SPACE, errno.EACCES: WRITE,
-                  errno.EPERM: WRITE, errno.ENOTDIR: NOT_A_DIRECTORY,
-                  errno.EEXIST: NOT_A_DIRECTORY, errno.ENOENT: "check the path",
-                  errno.EROFS: "the filesystem is read-only; choose another directory"}
 
 
 def cli(argv=None):
@@ -1601,20 +794,11 @@ def cli(argv=None):
         prefix = f"[rank {rank}] "
     try:
         sys.exit(run(cfg, restore_signals=False))
-    except (ValueError, FloatingPointError, PeerLost) as e:
-        sys.exit(f"{prefix}train_gpt2.py: error: {e}")
-    except torch.cuda.OutOfMemoryError:
-        sys.exit(f"{prefix}train_gpt2.py: error: out of GPU memory; lower local_batch_size (the "
-                 "gradient accumulation grows to keep global_batch_size), set "
-                 "activation_checkpointing=True, or use more GPUs")
-    except OSError as e:  # a file or directory the run cannot use
-        text = e.strerror or str(e)
-        if e.filename is not None:
-            text = f"{e.filename}: {text}"
-        if e.errno in OS_ERROR_HINTS:
-            text += f"; {OS_ERROR_HINTS[e.errno]}"
+    except Exception as e:
+        text = error_line(e)
+        if text is None:
+            raise
         sys.exit(f"{prefix}train_gpt2.py: error: {text}")
-
 
 if __name__ == "__main__":
     cli()

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import from_pretrained  # noqa: E402
+from hf_files import from_pretrained  # noqa: E402
 from model import GPT  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from model import check_checkpoint, complete_checkpoints  # noqa: E402
+from checkpoint import check_checkpoint, complete_checkpoints  # noqa: E402
 from test_train_gpt2_distributed import launch  # noqa: E402
 from conftest import metrics, tiny, write_byte_dataset  # noqa: E402
 

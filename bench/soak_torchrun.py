@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from model import complete_checkpoints  # noqa: E402
+from checkpoint import complete_checkpoints  # noqa: E402
 from conftest import hf_difference, kill_tree, metrics, tiny, vislog, write_byte_dataset  # noqa: E402
 
 PHASES = ("setup", "evaluation", "checkpoint", "export", "step")

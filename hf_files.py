@@ -1,0 +1,282 @@
+"""Hugging Face GPT-2 files in and out: from_pretrained reads a hub id or a directory (per FSDP2 shard
+with load_hf_sharded), export_hf writes one as save_pretrained does, swapped in whole."""
+import ctypes
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+
+import huggingface_hub
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from model import GPT, GPTConfig, local_block
+
+
+# Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
+
+# config.json's keys and the GPTConfig fields they set; n_positions comes after n_ctx, so it wins
+HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="vocab_size",
+                      n_layer="n_layer", n_head="n_head", n_embd="n_embd",
+                      layer_norm_epsilon="layer_norm_eps", activation_function="activation")
+
+
+def from_pretrained(name_or_path, padded_vocab_size=None):
+    """A GPT-2 in fp32 on the CPU from a hub id ("gpt2") or a Hugging Face directory."""
+    directory, config = resolve_pretrained(name_or_path)
+    with torch.device("meta"):  # no random init: every parameter is read from the file
+        model = GPT(dataclasses.replace(config, padded_vocab_size=padded_vocab_size))
+    model.to_empty(device="cpu")
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two of the tied one
+    load_hf_sharded(model, directory)
+    return model
+
+
+def resolve_pretrained(name_or_path):
+    """(local directory, GPTConfig) of a Hugging Face directory or hub id; reads no weights."""
+    directory = name_or_path
+    if not os.path.isdir(directory):
+        if os.path.exists(directory) or directory.startswith((".", "/", "~")):
+            raise FileNotFoundError(f"{directory}: no such model directory")
+        try:  # the config and the safetensors only: never a pickle, nor another framework's weights
+            patterns = ["config.json", "*.safetensors", "*.safetensors.index.json"]
+            directory = huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns)
+        except (OSError, ValueError) as e:  # not found, offline and not cached, an invalid id
+            raise FileNotFoundError(f"{name_or_path}: no such local directory, and not available "
+                                    f"online ({e!r})") from e
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: missing; a GPT-2 model directory needs config.json (a "
+                                f"train_gpt2.py run is read from its out_dir or from one "
+                                f"checkpoint, out_dir/ckpt/step_N)")
+    try:
+        return directory, config_from_hf(json.loads(pathlib.Path(path).read_text()))
+    except ValueError as e:  # not JSON, or a config we do not compute: one line naming the file
+        raise ValueError(f"{path}: {e}") from e
+
+
+def config_from_hf(hf):
+    """The GPTConfig of a config.json's contents; ValueError for a variant we do not compute."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"not a config (a JSON {type(hf).__name__}, expected an object)")
+    if hf.get("model_type") != "gpt2" and "GPT2LMHeadModel" not in (hf.get("architectures") or []):
+        raise ValueError(f"not a GPT-2 config (model_type {hf.get('model_type')!r}); "
+                         f"only GPT-2 is supported")
+    # the values of these keys that the model implements, the default first
+    supported = dict(scale_attn_weights=(True,), scale_attn_by_inverse_layer_idx=(False,),
+                     n_inner=(None, 4 * hf.get("n_embd", 768)))
+    for key, ok in supported.items():
+        if hf.get(key, ok[0]) not in ok:
+            raise ValueError(f"unsupported GPT-2 variant: {key} {hf[key]!r}, "
+                             f"not {' or '.join(map(repr, ok))}")
+    return GPTConfig(**{field: hf[key] for key, field in HF_CONFIG_KEYS.items() if key in hf})
+
+
+def tensor_sources(directory, config):
+    """Our parameter name -> (the file's key, the file) of a Hugging Face directory's safetensors,
+    sharded or not, checked against `config`'s shapes."""
+    where = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(where):
+        where += ".index.json"  # a sharded model: the index names its files
+    if not os.path.isfile(where):
+        raise FileNotFoundError(f"{directory}: no weights (model.safetensors or model.safetensors"
+                                ".index.json; convert a pytorch_model.bin to safetensors first)")
+    shapes, sources, path = {}, {}, where
+    try:  # whatever the parser says, the file is the problem: name it
+        paths = [where]
+        if where.endswith(".json"):
+            weight_map = json.loads(pathlib.Path(where).read_text())["weight_map"]
+            paths = [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+        for path in paths:
+            with safe_open(path, "pt") as f:  # reads the header only
+                for key in f.keys():
+                    shapes[key], sources[key] = tuple(f.get_slice(key).get_shape()), path
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable weights file ({type(e).__name__}: {e})") from e
+    # Hub files name keys with or without "transformer.", hold lm_head.weight or not, and older
+    # ones hold the attention's causal-mask buffers, which are not weights.
+    ours = {}
+    for key in shapes:
+        if not key.endswith((".attn.bias", ".attn.masked_bias")):
+            ours[key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key] = key
+    expected = _hf_shapes(config)
+    problems = [f"missing tensor {name}" for name in expected if name not in ours]
+    expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight, if stored
+    for name, key in ours.items():
+        if name not in expected:
+            problems.append(f"unexpected tensor {key}")
+        elif shapes[key] != expected[name]:
+            problems.append(f"{key} has shape {shapes[key]}, expected {expected[name]}")
+    if problems:  # the first five: a file of another size has a problem in every tensor
+        raise ValueError(f"{where}: does not match its config.json ({'; '.join(problems[:5])})")
+    return {name: (key, sources[key]) for name, key in ours.items()}
+
+
+@torch.no_grad()
+def load_hf_sharded(model, name_or_path):
+    """Fill `model`, plain or FSDP2 (every rank calls), each rank reading only its own rows."""
+    directory, config = resolve_pretrained(name_or_path)
+    theirs = dataclasses.asdict(config)  # padded_vocab_size is ours to choose
+    differ = [f"{field} {ours} (file: {theirs[field]})" for field, ours in
+              dataclasses.asdict(model.config).items()
+              if field != "padded_vocab_size" and ours != theirs[field]]
+    if differ:
+        raise ValueError(f"{directory}/config.json: the model to load into differs: "
+                         f"{', '.join(differ)}")
+    sources = tensor_sources(directory, config)
+
+    def read(name, index):  # the block `index` (slices) of the file's tensor for our `name`
+        key, path = sources[name]
+        with safe_open(path, "pt") as f:  # opened per tensor: its mapped pages go once read
+            return f.get_slice(key)[index]
+
+    params = dict(model.named_parameters())  # the tied weight once, as transformer.wte.weight
+    untied = torch.zeros(1, device=next(iter(params.values())).device)  # lm_head's rows differ
+    for name, p in params.items():
+        local, index = local_block(p)
+        if name.endswith(CONV1D_WEIGHTS):  # our rows of a Conv1D weight are the file's columns
+            local.copy_(read(name, index[::-1]).t())
+        elif name in ("transformer.wte.weight", "lm_head.weight"):  # lm_head: to_empty()'s copy
+            stop = min(index[0].stop, config.vocab_size)
+            in_file = (slice(min(index[0].start, stop), stop), *index[1:])
+            rows = read("transformer.wte.weight", in_file)
+            if "lm_head.weight" in sources:
+                untied += not torch.equal(rows, read("lm_head.weight", in_file))
+            local[:rows.size(0)].copy_(rows)
+            local[rows.size(0):].zero_()  # the padded rows, past vocab_size
+        else:
+            local.copy_(read(name, index))
+    if any(isinstance(p, DTensor) for p in params.values()):  # so that every rank fails alike
+        dist.all_reduce(untied)
+    if untied.item():
+        raise ValueError(f"{sources['lm_head.weight'][1]}: lm_head.weight differs from wte.weight "
+                         f"(untied embeddings are not supported)")
+
+
+def _hf_shapes(config):
+    """Tensor name -> shape in a Hugging Face file (Conv1D layout, real vocabulary rows)."""
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    del shapes["lm_head.weight"]
+    for name in shapes:
+        if name.endswith(CONV1D_WEIGHTS):
+            shapes[name] = shapes[name][::-1]
+    return shapes
+
+
+def hf_config(cfg, dtype):
+    """transformers' config.json for a GPT2LMHeadModel of our config's shapes and activation."""
+    # GPT-2's <|endoftext|> said outright: transformers assumes it even where no such id exists
+    endoftext = 50256 if cfg.vocab_size > 50256 else None
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
+            "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
+            "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+            "activation_function": cfg.activation, "layer_norm_epsilon": cfg.layer_norm_eps,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": endoftext,
+            "eos_token_id": endoftext, "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+@torch.no_grad()
+def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
+    """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped
+    in whole: a reader finds the old directory or the new one, never a half-written one."""
+    model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
+    cfg, params, expected = model.config, dict(model.named_parameters()), _hf_shapes(model.config)
+    dtype = params["transformer.wte.weight"].dtype
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    parent, base = os.path.split(os.path.abspath(directory))
+    new = os.path.join(parent, f".{base}.{os.getpid()}.tmp")
+    is_export = os.path.isfile(os.path.join(directory, "config.json"))
+    if writer and os.path.exists(directory) and not is_export:  # else nothing, or an export
+        if not os.path.isdir(directory) or os.listdir(directory):  # an empty directory may go
+            raise ValueError(f"{directory}: exists and is not a model directory; not replaced")
+    if writer and os.path.isdir(parent):
+        for name in os.listdir(parent):  # what a killed export left behind
+            if re.fullmatch(rf"\.{re.escape(base)}\.\d+\.(tmp|old)", name):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+    def file_tensor(name):  # every rank gathers, one tensor at a time; the writer keeps it
+        if name not in params:  # a model without biases computes what one with zero biases does
+            return torch.zeros(expected[name], dtype=dtype)
+        tensor = params[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        if not writer:
+            return None
+        if name == "transformer.wte.weight":
+            tensor = tensor[:cfg.vocab_size]
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        return tensor.cpu().contiguous()
+
+    # transformers' own sharding: in order, a new file when the next tensor would not fit
+    split = huggingface_hub.split_torch_state_dict_into_shards(
+        {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in expected.items()},
+        max_shard_size=max_shard_size)
+    files = {"config.json": hf_config(cfg, dtype)}
+    if split.is_sharded:
+        files["model.safetensors.index.json"] = {"metadata": split.metadata,
+                                                 "weight_map": split.tensor_to_filename}
+    try:
+        if writer:
+            os.makedirs(new, exist_ok=True)
+        for filename, names in split.filename_to_tensors.items():
+            tensors = {name: file_tensor(name) for name in names}
+            if writer:
+                save_file(tensors, os.path.join(new, filename), metadata={"format": "pt"})
+        if not writer:
+            return
+        for name, obj in files.items():
+            pathlib.Path(new, name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        if extra_files is not None:
+            extra_files(new)  # e.g. the tokenizer's files, inside the same swap
+        for name in os.listdir(new):
+            os.chmod(os.path.join(new, name), 0o644)  # safetensors creates 0600 files
+            _fsync(os.path.join(new, name))
+        _fsync(new)
+        swap_in(new, directory)
+    except BaseException as e:
+        shutil.rmtree(new, ignore_errors=True)  # frees the space at once
+        # a full disk or a read-only directory is one line naming the directory, not a traceback
+        if isinstance(e, SafetensorError):
+            raise OSError(f"cannot write {directory}: {str(e).strip()}") from None
+        if isinstance(e, OSError) and e.strerror:
+            raise OSError(f"cannot write {directory}: {e.strerror}") from None
+        raise  # extra_files' own one-line errors among them
+
+
+def swap_in(new, directory):
+    """Put directory `new` in the place of `directory`: a reader finds one or the other whole."""
+    parent, base = os.path.split(os.path.abspath(directory))
+    # renameat2(RENAME_EXCHANGE) swaps the two at once (Linux); elsewhere the old one moves aside
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    exchanged = False
+    if os.path.exists(directory) and renameat2 is not None:
+        AT_FDCWD, RENAME_EXCHANGE = -100, 2
+        paths = os.fsencode(new), os.fsencode(directory)
+        exchanged = renameat2(AT_FDCWD, paths[0], AT_FDCWD, paths[1], RENAME_EXCHANGE) == 0
+    old = new  # after an exchange the old directory is where the new one was
+    if not exchanged:
+        old = os.path.join(parent, f".{base}.{os.getpid()}.old")
+        if os.path.exists(directory):
+            os.rename(directory, old)
+        os.rename(new, directory)
+    _fsync(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)  # a file or a directory
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
