@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from atomic_io import atomic_write, error_reason, fsync_dir, lock_holder
-from hf_files import from_pretrained
+from hf_files import from_pretrained, probe_logits, probe_model
 from indexed_dataset import first_samples_agree, train_samples
 from model import GPT, GPTConfig, local_block
 from processes import any_rank, barrier, broadcast_object, first_line, is_master, on_rank0
@@ -243,7 +243,7 @@ def save_checkpoint(cfg, model, optimizer, step, data, group=None):
     train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
                        world_size=dist.get_world_size() if dist.is_initialized() else 1,
                        config=dataclasses.asdict(cfg),
-                       model_config=dataclasses.asdict(model.config))
+                       model_config=dataclasses.asdict(model.config), tensors=tensor_shapes(model))
     if cfg.async_checkpoint:
         shards = dcp.async_save(state, checkpoint_id=tmp, process_group=group).result
         return WRITER.submit(write_checkpoint, cfg, final, shards, rng_state(), train_state, group)
@@ -339,11 +339,43 @@ class Checkpoints:
 
 # --------------------------------------------------------------------------- reading checkpoints
 
-def load_weights(ckpt_path, model):
-    """A checkpoint's weights into `model` (plain or FSDP2); NaN or inf raise on every rank."""
+def tensor_shapes(model):
+    """{name: shape} of each tensor a checkpoint of `model` holds (global shapes, also sharded)."""
+    return {name: list(tensor.shape) for name, tensor in get_model_state_dict(model).items()}
+
+
+def model_probe(config):
+    """A few of the logits of probe_model(config): what model.py computes, recorded in every
+    checkpoint, so that a resume notices an edit that changes no tensor's name or shape."""
+    _, logits = probe_logits(probe_model(config))
+    return [round(value, 6) for value in logits[0, :8, :8].flatten().tolist()]
+
+
+def model_differences(saved, now):
+    """How two tensor_shapes() differ, as phrases: 'added A, B', 'missing C', 'reshaped D [..] ->
+    [..]'; empty for the same model."""
+    added = [name for name in now if name not in saved]
+    missing = [name for name in saved if name not in now]
+    reshaped = [f"{name} {saved[name]} -> {now[name]}" for name in now
+                if name in saved and saved[name] != now[name]]
+    phrases = []
+    for what, names in (("added", added), ("missing", missing), ("reshaped", reshaped)):
+        if names:
+            more = ""
+            if len(names) > 3:
+                more = f" and {len(names) - 3} more"
+            phrases.append(f"{what} {', '.join(names[:3])}{more}")
+    return phrases
+
+
+def load_weights(ckpt_path, model, names=None):
+    """A checkpoint's weights (those in `names`, default all) into `model` (plain or FSDP2); NaN
+    or inf raise on every rank."""
     state = {"model": get_model_state_dict(model)}
+    if names is not None:
+        state["model"] = {name: state["model"][name] for name in names}
     dcp.load(state, checkpoint_id=ckpt_path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=names is None))
     params = dict(model.named_parameters())
     finite = torch.stack([torch.isfinite(local_block(p)[0]).all() for p in params.values()]).int()
     if any(isinstance(p, DTensor) for p in params.values()):
@@ -384,12 +416,26 @@ def init_checkpoint(source):
     return path, configs[path]
 
 
-def load_init_checkpoint(path, model):
-    """The weights of checkpoint `path` into `model` (every rank calls), a fresh optimizer after."""
+def load_init_checkpoint(path, model, partial=False):
+    """The weights of checkpoint `path` into `model` (every rank calls); a fresh optimizer follows.
+    A model that differs from the checkpoint's is refused in one line, or with `partial` gets the
+    tensors that match by name and shape, the others keeping their init: a sentence saying which."""
+    saved, now = on_rank0(lambda: read_train_state(path)["tensors"]), tensor_shapes(model)
+    differ = model_differences(saved, now)
+    if differ and not partial:
+        raise ValueError(f"init_from {path}: the model differs from the checkpoint's "
+                         f"({'; '.join(differ)}); set --init_from_partial=True to load the tensors "
+                         "that match and start the others from their init")
+    matching = [name for name in now if saved.get(name) == now[name]]
     try:
-        load_weights(path, model)
+        load_weights(path, model, matching)
     except (RuntimeError, OSError, dcp.CheckpointException) as e:
         raise ValueError(f"init_from {path}: its weights do not load ({first_line(e)})") from None
+    if not differ:
+        return f"init_from: loaded the weights of {path}"
+    return (f"init_from: loaded {len(matching)} of the model's {len(now)} tensors from {path}; "
+            f"{'; '.join(differ)} (added and reshaped ones keep their init, missing ones are "
+            "not used); the optimizer starts afresh")
 
 
 def load_state(path, model, optimizer):
@@ -452,7 +498,21 @@ def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     """Load the checkpoint: (its step, 'key a -> b' for each TUNABLE key the config changed). A
     change to the tokens the run sees, or to their order, is refused unless
     resume_allow_data_change."""
-    saved = on_rank0(lambda: read_train_state(resume_path)["config"].get("optimizer", "adamw"))
+    train_state = on_rank0(lambda: read_train_state(resume_path))
+    differ = model_differences(train_state["tensors"], tensor_shapes(model))
+    run = os.path.dirname(os.path.dirname(resume_path))
+    if differ:  # every checkpoint would fail to load, and none of them is damaged
+        raise ValueError(f"{resume_path}: the model is not the one this run trained "
+                         f"({'; '.join(differ)}); undo the edit, or start the edited model from "
+                         f"these weights in a new out_dir with --init_from={run} "
+                         "--init_from_partial=True")
+    drift = max(abs(a - b) for a, b in zip(train_state["probe"], data["probe"]))
+    if drift > 1e-4:  # the same tensors, computed with otherwise
+        raise ValueError(f"{resume_path}: model.py computes otherwise than when this run's "
+                         f"checkpoints were written (the same tensors; a probe's logits differ by "
+                         f"up to {drift:.3g}); undo the edit, or start the edited model from these "
+                         f"weights in a new out_dir with --init_from={run}")
+    saved = train_state["config"]["optimizer"]
     if saved != cfg.optimizer:  # its state would not fit: every checkpoint would fail to load
         raise ValueError(f"{resume_path}: the run was trained with --optimizer={saved}; resume so")
     train_state = load_checkpoint(resume_path, model, optimizer)

@@ -6,8 +6,7 @@
 
 Like nanoGPT's configurator.py, this file only translates: train_gpt2.TrainConfig lists every knob,
 and train_gpt2.check_config says which values make sense. Each function takes the config class,
-so that nothing here imports train_gpt2.
-"""
+so that nothing here imports train_gpt2."""
 import ast
 import dataclasses
 import difflib
@@ -52,10 +51,8 @@ def checked_value(fields, key, value, where, text=None):
         if key in NANOGPT_KEYS:
             # A nanoGPT habit gets a pointer to our meaning, never a silent alias.
             raise ValueError(f"{where}: '{key}' is nanoGPT's name; here {NANOGPT_KEYS[key]}")
-        hint = ""
         close = difflib.get_close_matches(key, fields, n=1)
-        if close:
-            hint = f"; did you mean '{close[0]}'?"
+        hint = f"; did you mean '{close[0]}'?" if close else ""
         if key.startswith("wandb_"):
             hint = "; wandb's keys are " + ", ".join(f for f in fields if f.startswith("wandb_"))
         raise ValueError(f"{where}: unknown config key '{key}'{hint}")
@@ -69,8 +66,7 @@ def field_value(field, value, text=None):
     """`value` as the dataclass `field` takes it, or a TypeError naming the types it takes.
 
     An int is a fine float. Where the field takes a string, `text` (the value as written) wins,
-    so that --split=969,30,1 is the string and not a tuple.
-    """
+    so that --split=969,30,1 is the string and not a tuple."""
     allowed = typing.get_args(field.type) or (field.type,)
     if float in allowed and type(value) is int:
         value = float(value)
@@ -154,7 +150,6 @@ def config_help(config_class):
     return "\n".join(lines)
 
 
-# -------------------------------------------------------------------------------------------------
 # NeMo AutoModel's recipe (examples/llm_pretrain/megatron_pretrain_gpt2.yaml) and our keys
 
 AUTOMODEL_KEYS = {
@@ -176,7 +171,7 @@ AUTOMODEL_KEYS = {
     "model.config.activation_function": "activation",
     # dion.Muon's keys, read as "muon.<key>" (translate); its betas and epsilon are defaults that
     # every group here overrides (scalar_*), lm_head_lr has no head of its own (it is wte here)
-    "muon.lr": "lr", "muon.weight_decay": "weight_decay", "muon.mu": "muon_momentum",
+    "muon.weight_decay": "weight_decay", "muon.mu": "muon_momentum",
     "muon.adjust_lr": "muon_adjust_lr", "muon.scalar_lr": "muon_scalar_lr",
     "muon.embed_lr": "muon_embed_lr", "muon.scalar_eps": "adam_eps",
 }
@@ -215,13 +210,11 @@ AUTOMODEL_VALUES = {
     "distributed._target_": ["FSDP2Manager"], "distributed.strategy": ["fsdp2"],
     "distributed.tp_size": [1, None], "distributed.cp_size": [1, None],
     "distributed.pp_size": [1, None], "distributed.sequence_parallel": [False, None],
-    "lr_scheduler.lr_decay_style": ["cosine"],
-    "optimizer._target_": ["AdamW", "FusedAdam"],
-    "optimizer.amsgrad": [False], "optimizer.maximize": [False],
-    "optimizer.adam_w_mode": [True], "optimizer.bias_correction": [True],
-    "optimizer.master_weights": [True], "optimizer.store_param_remainders": [True, False],
-    "optimizer.master_weight_dtype": FP32, "optimizer.exp_avg_dtype": FP32,
-    "optimizer.exp_avg_sq_dtype": FP32,
+    "lr_scheduler.lr_decay_style": ["cosine"], "optimizer._target_": ["AdamW", "FusedAdam"],
+    "optimizer.amsgrad": [False], "optimizer.maximize": [False], "optimizer.adam_w_mode": [True],
+    "optimizer.bias_correction": [True], "optimizer.master_weights": [True],
+    "optimizer.store_param_remainders": [True, False], "optimizer.master_weight_dtype": FP32,
+    "optimizer.exp_avg_dtype": FP32, "optimizer.exp_avg_sq_dtype": FP32,
     "muon._target_": ["Muon"], "muon.scalar_opt": ["adamw"], "muon.nesterov": [False],
     # GPT2Config values the model here has (no dropout: nanoGPT and llm.c pretrain without it).
     "model.config.n_inner": [None], "model.config.layer_norm_epsilon": [1e-5],
@@ -242,8 +235,7 @@ def yaml_value(value):
     """A YAML leaf as AutoModel's loader reads it: strings such as "6e-4" or "none" are values."""
     if not isinstance(value, str):
         return value
-    words = {"none": None, "None": None, "true": True, "True": True,
-             "false": False, "False": False}
+    words = {"none": None, "None": None, "true": True, "True": True, "false": False, "False": False}
     if value in words:
         return words[value]
     try:
@@ -329,8 +321,7 @@ def automodel_yaml(path, fields):
         ours["max_steps"] = None
     if int(os.environ.get("RANK", 0)) == 0:  # read before the process group exists
         said = " ".join(f"--{key}={value!r}" for key, value in ours.items())
-        dropout = [key for key in ("resid", "embd", "attn")
-                   if f"model.config.{key}_pdrop" not in items]
+        dropout = any(f"model.config.{key}_pdrop" not in items for key in ("resid", "embd", "attn"))
         name = items.get("model.config.pretrained_model_name_or_path")
         note = ""
         if name and dropout:
@@ -357,8 +348,10 @@ def recipe_defaults(items):
         ours.update(lr=lr, beta1=betas[0], beta2=betas[1], adam_eps=eps, weight_decay=weight_decay,
                     optimizer="adamw")
     if optimizer == "Muon":
-        ours.update(optimizer="muon", muon_momentum=0.95, muon_adjust_lr="spectral_norm",
-                    muon_scalar_lr=None, muon_embed_lr=None)
+        # dion's scalar_lr defaults to its lr; ours to 3 x lr
+        scalar_lr = items.get("optimizer.lr", lr)
+        ours.update(optimizer="muon", muon_lr=lr, muon_momentum=0.95, muon_embed_lr=None,
+                    muon_adjust_lr="spectral_norm", muon_scalar_lr=scalar_lr)
     bf16 = str(items.get("model.torch_dtype")) in ("bfloat16", "torch.bfloat16")
     if bf16 and not (optimizer == "FusedAdam" and items.get("optimizer.master_weights") is True):
         differ.append("model.torch_dtype=bfloat16 without FusedAdam's master_weights "
@@ -385,6 +378,9 @@ def translate(key, value, written, items, fields):
         key = "muon." + key.split(".", 1)[1]  # dion.Muon's keys mean other things than AdamW's
     if key in AUTOMODEL_KEYS:
         return {AUTOMODEL_KEYS[key]: field_value(fields[AUTOMODEL_KEYS[key]], value, written)}
+    if key == "muon.lr":  # Muon's rate, and the schedule's: min_lr is on its scale
+        lr = field_value(fields["lr"], value, written)
+        return {"lr": lr, "muon_lr": lr}
     if key in ("optimizer.betas", "muon.scalar_betas"):
         if type(value) not in (list, tuple) or len(value) != 2 or \
                 any(type(beta) not in number for beta in value):

@@ -2,11 +2,13 @@
 with load_hf_sharded), export_hf writes one as save_pretrained does, swapped in whole."""
 import ctypes
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
 import re
 import shutil
+import tempfile
 
 import huggingface_hub
 import torch
@@ -15,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from model import GPT, GPTConfig, local_block
+from model import GPT, GPTConfig, local_block, materialize, parameters_on_meta
 
 
 # Hugging Face stores these four as Conv1D, whose weight is (in, out): the transpose of nn.Linear's.
@@ -31,9 +33,9 @@ HF_CONFIG_KEYS = dict(n_ctx="block_size", n_positions="block_size", vocab_size="
 def from_pretrained(name_or_path, padded_vocab_size=None):
     """A GPT-2 in fp32 on the CPU from a hub id ("gpt2") or a Hugging Face directory."""
     directory, config = resolve_pretrained(name_or_path)
-    with torch.device("meta"):  # no random init: every parameter is read from the file
+    with parameters_on_meta():  # no random init: every parameter is read from the file
         model = GPT(dataclasses.replace(config, padded_vocab_size=padded_vocab_size))
-    model.to_empty(device="cpu")
+    materialize(model, "cpu")
     model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two of the tied one
     load_hf_sharded(model, directory)
     return model
@@ -106,7 +108,7 @@ def tensor_sources(directory, config):
     for key in shapes:
         if not key.endswith((".attn.bias", ".attn.masked_bias")):
             ours[key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key] = key
-    expected = _hf_shapes(config)
+    expected = gpt2_shapes(config)
     problems = [f"missing tensor {name}" for name in expected if name not in ours]
     expected["lm_head.weight"] = expected["transformer.wte.weight"]  # the tied weight, if stored
     for name, key in ours.items():
@@ -160,16 +162,111 @@ def load_hf_sharded(model, name_or_path):
                          f"(untied embeddings are not supported)")
 
 
-def _hf_shapes(config):
-    """Tensor name -> shape in a Hugging Face file (Conv1D layout, real vocabulary rows)."""
-    with torch.device("meta"):
-        model = GPT(dataclasses.replace(config, padded_vocab_size=None, bias=True))
-    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    del shapes["lm_head.weight"]
-    for name in shapes:
-        if name.endswith(CONV1D_WEIGHTS):
-            shapes[name] = shapes[name][::-1]
+def gpt2_shapes(config):
+    """Tensor name -> shape in a Hugging Face GPT-2 file of `config`'s sizes (Conv1D layout, real
+    vocabulary rows). Written out from GPT-2's architecture, not read off model.py's classes, so
+    that an edited model is held to what transformers' GPT-2 computes."""
+    C = config.n_embd
+    shapes = {"transformer.wte.weight": (config.vocab_size, C),
+              "transformer.wpe.weight": (config.block_size, C)}
+    block = {"ln_1.weight": (C,), "ln_1.bias": (C,), "attn.c_attn.weight": (C, 3 * C),
+             "attn.c_attn.bias": (3 * C,), "attn.c_proj.weight": (C, C), "attn.c_proj.bias": (C,),
+             "ln_2.weight": (C,), "ln_2.bias": (C,), "mlp.c_fc.weight": (C, 4 * C),
+             "mlp.c_fc.bias": (4 * C,), "mlp.c_proj.weight": (4 * C, C), "mlp.c_proj.bias": (C,)}
+    for i in range(config.n_layer):
+        shapes.update({f"transformer.h.{i}.{name}": shape for name, shape in block.items()})
+    shapes["transformer.ln_f.weight"] = shapes["transformer.ln_f.bias"] = (C,)
     return shapes
+
+
+def export_problems(model):
+    """Why `model` cannot be written as GPT-2, one phrase per tensor: one that GPT-2 lacks or has
+    in another shape, or one of GPT-2's that the model lacks (a missing bias is a zero bias)."""
+    model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
+    expected, ours = gpt2_shapes(model.config), {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # the head is wte (checked below); a causal mask is GPT-2's own
+        shape = tuple(tensor.shape)
+        if name == "transformer.wte.weight":
+            shape = (model.config.vocab_size, *shape[1:])  # the padded rows are not written
+        if name.endswith(CONV1D_WEIGHTS):
+            shape = shape[::-1]
+        ours[name] = shape
+    problems = [f"{name}, which GPT-2 has no place for" for name in ours if name not in expected]
+    for name, shape in expected.items():
+        if name in ours and ours[name] != shape:
+            problems.append(f"{name} of shape {list(ours[name])}, GPT-2's is {list(shape)}")
+        elif name not in ours and not name.endswith(".bias"):
+            problems.append(f"no {name}, which GPT-2 computes with")
+    if model.lm_head.weight is not model.transformer.wte.weight:
+        problems.append("lm_head.weight apart from wte (GPT-2's head is its token embedding)")
+    return problems
+
+
+def transformers_difference(directory, model):
+    """The largest |difference| between the fp32 logits of `model` and of transformers' reading of
+    the export in `directory`, on a probe batch of random token ids."""
+    import transformers  # not a requirement of the project: the caller checks that it is there
+    transformers.logging.set_verbosity_error()  # its "newly initialized" warnings: we measure
+    transformers.logging.disable_progress_bar()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    was_training = model.training
+    ids, ours = probe_logits(model.eval())
+    model.train(was_training)
+    with torch.no_grad():
+        return (ours - theirs(ids).logits).abs().max().item()
+
+
+EXPORT_TOLERANCE = 1e-4  # fp32 logits: an unedited model differs by about 1e-6
+
+
+def probe_model(config):
+    """A small model of `config`'s architecture (2 layers, 512 tokens), built from model.py's
+    classes as they are now, with weights fixed by a seed: what checks of the model's function
+    run, on the CPU in fp32."""
+    small = dataclasses.replace(config, n_layer=min(config.n_layer, 2), padded_vocab_size=None,
+                                vocab_size=min(config.vocab_size, 512))
+    with torch.random.fork_rng(devices=[]):  # the run's own random numbers stay untouched
+        torch.manual_seed(0)
+        model = GPT(small)
+        with torch.no_grad():  # biases and gains off their init, so that the probe sees them
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def probe_logits(model):
+    """`model`'s fp32 logits on two sequences of random token ids."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (2, min(64, model.config.block_size)),
+                        generator=generator)
+    with torch.no_grad():
+        return ids, model(ids)[0].float()
+
+
+def export_check(config):
+    """(whether hf/ can be written, the line that says so) for a model of `config`'s architecture:
+    probe_model(config) is exported to a temporary directory and read back with transformers,
+    where it is installed, and the logits compared."""
+    model = probe_model(config)
+    problems = export_problems(model)
+    if problems:
+        return False, (f"hf/ will not be written: the model is not GPT-2's architecture "
+                       f"({'; '.join(problems[:3])})")
+    if importlib.util.find_spec("transformers") is None:
+        return True, ("hf/: the tensors are GPT-2's by name and shape; whether transformers "
+                      "computes what the model does was not checked (transformers is not installed)")
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf(model, os.path.join(tmp, "hf"))
+        difference = transformers_difference(os.path.join(tmp, "hf"), model)
+    if difference > EXPORT_TOLERANCE:
+        return False, (f"hf/ will not be written: transformers' GPT-2 computes other logits from "
+                       f"the same weights (largest difference {difference:.3g} on a probe batch; "
+                       f"model.py computes something GPT-2 does not)")
+    return True, (f"hf/: transformers' GPT-2 computes the model's logits (largest difference "
+                  f"{difference:.1e} on a probe batch)")
 
 
 def hf_config(cfg, dtype):
@@ -185,11 +282,16 @@ def hf_config(cfg, dtype):
 
 
 @torch.no_grad()
-def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
+def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, check=None):
     """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped
-    in whole: a reader finds the old directory or the new one, never a half-written one."""
+    in whole: a reader finds the old directory or the new one, never a half-written one. check(),
+    given the written directory, may refuse it by raising, before it is swapped in."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
-    cfg, params, expected = model.config, dict(model.named_parameters()), _hf_shapes(model.config)
+    problems = export_problems(model)
+    if problems:
+        raise ValueError(f"{directory}: the model is not GPT-2's architecture "
+                         f"({'; '.join(problems[:3])}); not written")
+    cfg, params, expected = model.config, dict(model.named_parameters()), gpt2_shapes(model.config)
     dtype = params["transformer.wte.weight"].dtype
     writer = not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
@@ -242,6 +344,8 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None):
             os.chmod(os.path.join(new, name), 0o644)  # safetensors creates 0600 files
             _fsync(os.path.join(new, name))
         _fsync(new)
+        if check is not None:
+            check(new)
         swap_in(new, directory)
     except BaseException as e:
         shutil.rmtree(new, ignore_errors=True)  # frees the space at once

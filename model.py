@@ -1,6 +1,7 @@
 """GPT-2 as transformers' GPT2LMHeadModel computes it, written to be edited: the activation, the
 loss and the blocks each live in one place. It imports no other file of the project; hf_files.py
 reads and writes its Hugging Face files, checkpoint.py its checkpoints."""
+import contextlib
 import dataclasses
 import functools
 import math
@@ -99,18 +100,20 @@ class Block(nn.Module):
 
 # ----------------------------------------------------------------------------- the loss head
 
-def chunk_loss(logits, targets):
+def chunk_loss(logits, targets, training):
     """The summed loss of one chunk of rows: logits (rows, vocab_size) in the matmul's dtype,
     targets (rows,) with -100 where a position is not scored. Edit this to change the loss (a
-    z-loss, a soft cap on the logits): the head differentiates it with autograd, nothing else."""
+    z-loss, a soft cap on the logits): the head differentiates it with autograd, nothing else.
+    `training` is False in validation, which runs the model in eval mode: a term for training
+    alone (label smoothing, say) goes under `if training:`, and validation stays the plain loss."""
     return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
 
 
-def _real_vocab_chunk_loss(logits, targets, vocab_size):
+def _real_vocab_chunk_loss(logits, targets, vocab_size, training):
     # The head's matmul runs over the padded weight, whose aligned shape is faster. Slicing off the
     # padded columns keeps them out of the softmax whatever chunk_loss does. chunk_loss is looked up
     # at each call (torch.compile guards on it), so an edited one is the one that runs.
-    return chunk_loss(logits[:, :vocab_size], targets)
+    return chunk_loss(logits[:, :vocab_size], targets, training)
 
 
 @functools.cache
@@ -134,7 +137,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     the loop; the backward only scales them."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, vocab_size, chunk_size, compiled, with_grads):
+    def forward(ctx, x, weight, targets, vocab_size, chunk_size, compiled, with_grads, training):
         x_dtype, weight_dtype = x.dtype, weight.dtype
         device = x.device.type  # meta (FLOP counting) has no autocast to ask about
         if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
@@ -145,7 +148,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         count = (targets != -100).sum().clamp(min=1)  # an all-ignored batch gives loss 0, not nan
         chunks = [slice(start, start + chunk_size) for start in range(0, len(x), chunk_size)]
         if not with_grads:  # evaluation: the loss alone
-            loss = sum(loss_fn(x[rows] @ weight.t(), targets[rows], vocab_size) for rows in chunks)
+            loss = sum(loss_fn(x[rows] @ weight.t(), targets[rows], vocab_size, training)
+                       for rows in chunks)
             return loss / count
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x)
@@ -153,7 +157,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for rows in chunks:
             logits = (x[rows] @ weight.t()).requires_grad_(True)
             with torch.enable_grad():
-                chunk = loss_fn(logits, targets[rows], vocab_size)
+                chunk = loss_fn(logits, targets[rows], vocab_size, training)
             # the gradient of this chunk's share of the mean loss; then the head's own two matmuls
             (grad_logits,) = torch.autograd.grad(chunk, logits, grad_outputs=1 / count)
             loss += chunk.detach()
@@ -170,13 +174,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_x, grad_weight = ctx.saved_tensors
         # in place, because the weight gradient is as large as the weight and the backward runs once
-        return grad_x * grad_output, grad_weight.mul_(grad_output), None, None, None, None, None
+        return grad_x * grad_output, grad_weight.mul_(grad_output), *[None] * 7
 
 
 # Dynamo cannot trace the autograd.grad in the head's forward. Inside a whole-model torch.compile
 # the head runs as it does outside one, and compile_loss compiles its chunks.
 @torch.compiler.disable
-def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, compiled=False):
+def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, compiled=False,
+                          training=True):
     """Mean chunk_loss of x @ weight[:vocab_size].T over the scored targets, chunk by chunk."""
     if chunk_size is None:
         budget = LOSS_CHUNK_LOGITS.get(x.device.type, LOSS_CHUNK_LOGITS["cuda"])
@@ -185,7 +190,7 @@ def chunked_cross_entropy(x, weight, targets, chunk_size=None, vocab_size=None, 
     # Validation needs no gradients, and then the head computes the loss alone.
     with_grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, vocab_size, chunk_size, compiled,
-                                           with_grads)
+                                           with_grads, training)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -259,7 +264,7 @@ class GPT(nn.Module):
         if targets is not None:  # the loss alone: a training batch's logits are never held at once
             loss = chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                          vocab_size=self.config.vocab_size,
-                                         compiled=self.compile_loss)
+                                         compiled=self.compile_loss, training=self.training)
             return None, loss
         if logits_at is not None:
             x = x[logits_at]
@@ -286,6 +291,35 @@ class GPT(nn.Module):
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build modules with their parameters on the meta device (no memory, no init yet) and their
+    buffers computed on the CPU as __init__ computes them: materialize() then keeps a buffer's
+    values (a rotary table, a mask), where a meta build and to_empty() alone leave garbage."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@torch.no_grad()
+def materialize(model, device):
+    """model.to_empty(device=device), its buffers keeping their values; the parameters' values
+    come next, from init_sharded or from a file."""
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name])
 
 
 @torch.no_grad()

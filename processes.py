@@ -234,3 +234,32 @@ def peak_memory(device, reset=False):
         pass
     # No /proc here (some sandboxes): the peak since the process began.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
+
+
+# The oldest torch the whole test suite passes on (bench/compat.sh; docs/development.md says why).
+MIN_TORCH = "2.9.1"
+
+
+def torch_version_problem(version=torch.__version__):
+    """None, or the one line saying that this `version` of torch is older than MIN_TORCH."""
+    if torch.torch_version.TorchVersion(version) < MIN_TORCH:
+        return (f"torch {version} is older than {MIN_TORCH}, the oldest this code is tested on; "
+                f"pip install 'torch>={MIN_TORCH}' (or a CUDA build of it for GPUs)")
+    return None
+
+
+# Dense bf16 tensor-core TFLOP/s of one GPU, for MFU. The first name found in the device's name
+# wins, so a more specific name comes before the name it contains ("H200 NVL" before "H200").
+PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200 NVL", 835),
+                    ("H200", 989), ("A100", 312), ("B200", 2250)]
+
+
+def peak_flops(device):
+    """Dense bf16 FLOP/s of one `device` from PEAK_BF16_TFLOPS, or None (CPU, unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None

@@ -1,6 +1,7 @@
 """A run's out_dir: the checks that it is the run's own, its lock, the interrupted writes a crash
 left there, its logs (main.log in llm.c's format, metrics.jsonl, wandb) and the final hf/ export."""
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -9,8 +10,8 @@ import time
 from atomic_io import LockHeld, atomic_write, lock_file
 from checkpoint import (assert_finite, config_changes, newest_usable_checkpoint,
                         read_train_state, set_aside, write_json)
-from hf_files import export_hf
-from processes import barrier, is_master, on_rank0
+from hf_files import EXPORT_TOLERANCE, export_hf, from_pretrained, transformers_difference
+from processes import first_error, is_master, on_rank0
 from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -199,9 +200,21 @@ def publish_hf(model, cfg):
         write_json(os.path.join(directory, HF_MARKER),
                    dict(written_by="train_gpt2.py", step=cfg.max_steps))
 
-    # Every rank gathers one tensor at a time to rank 0, which writes.
-    export_hf(model, hf_dir, extra_files=extra_files)
-    barrier()
+    def check(directory):  # the final weights as written, read back by model.py and transformers
+        if importlib.util.find_spec("transformers") is None:
+            return  # export_hf checked the tensors' names and shapes
+        difference = transformers_difference(directory, from_pretrained(directory))
+        if difference > EXPORT_TOLERANCE:
+            raise ValueError(f"{hf_dir}: not written: transformers' GPT-2 computes other logits "
+                             f"from the final weights (largest difference {difference:.3g})")
+
+    # Every rank gathers one tensor at a time to rank 0, which writes and checks.
+    error = None
+    try:
+        export_hf(model, hf_dir, extra_files=extra_files, check=check)
+    except (ValueError, OSError) as e:
+        error = e
+    first_error(error)  # on every rank, so that none waits for rank 0
     if is_master():
         print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
 

@@ -30,14 +30,15 @@ import torch.distributed as dist
 
 import hellaswag
 from checkpoint import (Checkpoints, data_state, init_checkpoint, last_good_checkpoint,
-                        load_init_checkpoint, read_train_state, resume)
+                        load_init_checkpoint, model_probe, read_train_state, resume)
 from configurator import NANOGPT_INIT_FROM, config_help, parse_config
-from hf_files import load_hf_sharded, resolve_pretrained
+from hf_files import export_check, load_hf_sharded, resolve_pretrained
 from indexed_dataset import (LLMCValWindows, PretrainingSampler, resolve_blend,
                              sequential_samples, train_samples)
-from model import ACTIVATIONS, GPT, GPTConfig, init_sharded
-from processes import (StopRequest, any_rank, error_line, is_master, on_each_node, on_rank0,
-                       peak_memory, rank_and_world_size, setup_distributed)
+from model import ACTIVATIONS, GPT, GPTConfig, init_sharded, materialize, parameters_on_meta
+from processes import (StopRequest, any_rank, error_line, is_master, on_each_node,
+                       on_rank0, peak_flops, peak_memory, rank_and_world_size, setup_distributed,
+                       torch_version_problem)
 from run_dir import RunLog, nothing_left, prepare_out_dir, publish_hf, unlock_out_dirs
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
@@ -61,6 +62,9 @@ class TrainConfig:
     padded_vocab_size: int | None = 50304  # rows of wte/lm_head; a multiple of 64 is faster on GPUs
     activation: str = "gelu_new"  # the MLP's: a name in model.ACTIVATIONS (add yours there)
     init_from: str | None = None  # None: GPT-2 init; an HF id or directory; a run or checkpoint
+    # init_from a run of another model (an edited model.py): the tensors that match by name and
+    # shape are loaded, the others start from their init; the model is the config's
+    init_from_partial: bool = False
     # batch: global_batch_size sequences per optimizer step, local_batch_size per forward on a rank
     global_batch_size: int = 512
     local_batch_size: int = 16
@@ -74,9 +78,12 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     optimizer: str = "adamw"  # or "muon": the blocks' matrices, AdamW the rest (docs/training.md)
+    # Muon's own rates, chosen by a sweep on the demo (docs/benchmarks.md#muon); the schedule scales
+    # each as it scales lr, so min_lr / lr is their floor too.
+    muon_lr: float = 0.02  # for the blocks' matrices
     muon_momentum: float = 0.95  # dion's mu
     muon_adjust_lr: str = "spectral_norm"  # lr x sqrt(fan_out/fan_in); "rms_norm": 0.2 sqrt(max)
-    muon_scalar_lr: float | None = None  # AdamW's lr for biases and LayerNorms; None: lr
+    muon_scalar_lr: float | None = None  # AdamW's lr for biases and LayerNorms; None: 3 x lr
     muon_embed_lr: float | None = None  # for wte (the tied head) and wpe; None: muon_scalar_lr
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     # evaluation at step 0, every val_every_steps and after the last step
@@ -86,6 +93,10 @@ class TrainConfig:
     hellaswag_limit: int | None = None  # score only the first N examples
     sample_tokens: int = 0  # tokens sampled at each validation (GPT-2's vocabulary); 0 = off
     eval_only: bool = False  # evaluate the initial model (init_from or out_dir's) once and exit
+    # hf/ at the end of the run: "auto" writes it where a check before step 1 finds that it holds
+    # what the model computes (an edited model.py may not be GPT-2), "require" stops the run there
+    # otherwise, "off" writes none
+    hf_export: str = "auto"
     # outputs
     out_dir: str = "out"
     log_every_steps: int = 1  # the step's numbers are read from the device once per this many steps
@@ -119,6 +130,7 @@ def check_config(cfg, world_size):
         ("adam_eps", finite["adam_eps"] and cfg.adam_eps > 0, "> 0"),
         ("grad_clip", finite["grad_clip"] and cfg.grad_clip >= 0, ">= 0 (0: no clipping)"),
         ("lr_warmup_steps", cfg.lr_warmup_steps >= 0, ">= 0"),
+        ("muon_lr", 0 < cfg.muon_lr < math.inf, "> 0"),
         ("muon_momentum", 0 <= cfg.muon_momentum < 1, "in [0, 1)"),
         ("muon_scalar_lr", cfg.muon_scalar_lr is None or 0 < cfg.muon_scalar_lr < math.inf, "> 0"),
         ("muon_embed_lr", cfg.muon_embed_lr is None or 0 < cfg.muon_embed_lr < math.inf, "> 0"),
@@ -129,15 +141,12 @@ def check_config(cfg, world_size):
     for key, low in at_least.items():
         value = getattr(cfg, key)
         rules.append((key, value is None or value >= low, f">= {low}"))
-    if cfg.max_steps is not None:
-        rules.append(("lr_warmup_steps", cfg.lr_warmup_steps <= cfg.max_steps,
-                      f"<= max_steps ({cfg.max_steps})"))
     for key, fine, expected in rules:
         if not fine:
             raise ValueError(f"config: {key} must be {expected}, got {getattr(cfg, key)!r}")
     named = dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32"),
                  activation=tuple(ACTIVATIONS), optimizer=("adamw", "muon"),
-                 muon_adjust_lr=("spectral_norm", "rms_norm"))
+                 muon_adjust_lr=("spectral_norm", "rms_norm"), hf_export=("auto", "require", "off"))
     for key, choices in named.items():
         if getattr(cfg, key) not in choices:
             raise ValueError(f"config: {key} must be one of {', '.join(choices)}, "
@@ -164,28 +173,15 @@ def load_config(argv):
     return cfg
 
 
-# The oldest torch the whole test suite passes on (bench/compat.sh; docs/development.md says why).
-MIN_TORCH = "2.9.1"
-
-
-def torch_version_problem(version=torch.__version__):
-    """None, or the one line saying that this `version` of torch is older than MIN_TORCH."""
-    if torch.torch_version.TorchVersion(version) < MIN_TORCH:
-        return (f"torch {version} is older than {MIN_TORCH}, the oldest this code is tested on; "
-                f"pip install 'torch>={MIN_TORCH}' (or a CUDA build of it for GPUs)")
-    return None
-
-
-# Dense bf16 tensor-core TFLOP/s of one GPU, for MFU. The first name found in the device's name
-# wins, so a more specific name comes before the name it contains ("H200 NVL" before "H200").
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200 NVL", 835),
-                    ("H200", 989), ("A100", 312), ("B200", 2250)]
-
-
 # -------------------------------------------------------------------------------------------------
 # model and optimizer
 
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size", "activation")
+
+
+def config_architecture(cfg):
+    """The GPTConfig fields that the config sets."""
+    return dict(block_size=cfg.seq_length, **{key: getattr(cfg, key) for key in ARCHITECTURE})
 
 
 def starting_point(cfg, resume_path):
@@ -201,14 +197,12 @@ def starting_point(cfg, resume_path):
                              "another out_dir")
         return model_config, ("resume", resume_path)
     if cfg.init_from is None:
-        model_config = GPTConfig(block_size=cfg.seq_length, vocab_size=cfg.vocab_size,
-                                 padded_vocab_size=cfg.padded_vocab_size, n_layer=cfg.n_layer,
-                                 n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                 activation=cfg.activation)
-        return model_config, ("seed", cfg.seed)
+        return GPTConfig(**config_architecture(cfg)), ("seed", cfg.seed)
     if os.path.isdir(os.path.join(cfg.init_from, "ckpt")) or \
             os.path.isfile(os.path.join(cfg.init_from, "train_state.json")):  # a run's weights
         path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
+        if cfg.init_from_partial:
+            return GPTConfig(**config_architecture(cfg)), ("checkpoint", path)
         return GPTConfig(**model_config), ("checkpoint", path)
     # A hub id is downloaded by each node into its own cache.
     directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))
@@ -220,7 +214,7 @@ def build_model(model_config, init, cfg, device):
     """The model built on the meta device and sharded with FSDP2 under torchrun; then each rank
     fills in its own rows of the weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    with torch.device("meta"):
+    with parameters_on_meta():  # no memory for the weights until each rank has its shard
         model = GPT(model_config)
     # Per block, inside FSDP's and compile's wrapping.
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -240,7 +234,7 @@ def build_model(model_config, init, cfg, device):
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     if mesh is not None:
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    model.to_empty(device=device)
+    materialize(model, device)
     if mesh is None:  # to_empty() gave a plain model two embedding tensors: tie them again
         model.lm_head.weight = model.transformer.wte.weight
     kind, source = init
@@ -249,9 +243,11 @@ def build_model(model_config, init, cfg, device):
     elif kind == "hf":
         load_hf_sharded(model, source)
     elif kind == "checkpoint":  # init_from another run: its weights, a fresh optimizer
-        load_init_checkpoint(source, model)
+        if cfg.init_from_partial:  # what the checkpoint lacks starts from GPT-2's init
+            init_sharded(model, cfg.seed)
+        said = load_init_checkpoint(source, model, cfg.init_from_partial)
         if is_master():
-            print(f"init_from: loaded the weights of {source}")
+            print(said)
     return model
 
 
@@ -275,14 +271,16 @@ def build_optimizer(model, cfg, device):
     scales = [min(1.0, math.sqrt(p.shape[0] / p.shape[1])) for p in matrices]
     if cfg.muon_adjust_lr == "rms_norm":
         scales = [1.0 for p in matrices]
-    groups = [dict(name="muon", params=[p], lr_scale=scale, weight_decay=cfg.weight_decay / scale)
-              for p, scale in zip(matrices, scales)]
+    groups = [dict(name="muon", params=[p], lr_scale=scale * cfg.muon_lr / cfg.lr,
+                   weight_decay=cfg.weight_decay / scale) for p, scale in zip(matrices, scales)]
     adjust_lr_fn = dict(spectral_norm="original", rms_norm="match_rms_adamw")[cfg.muon_adjust_lr]
-    muon = torch.optim.Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=False,
+    muon = torch.optim.Muon(groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, nesterov=False,
                             adjust_lr_fn=adjust_lr_fn)
-    # AdamW: biases and LayerNorms with weight decay, the embeddings (wte is the head too) without.
-    scalar_lr = cfg.muon_scalar_lr or cfg.lr
-    embeddings = [model.transformer.wte.weight, model.transformer.wpe.weight]
+    # AdamW: biases and LayerNorms with weight decay, the 2-D parameters outside the blocks (the
+    # embeddings; wte is the head too) without, at 3x the AdamW recipe's lr by default: the
+    # sweep's best, where 1x lost to AdamW alone.
+    scalar_lr = cfg.muon_scalar_lr or 3 * cfg.lr
+    embeddings = [p for p in decay if all(p is not q for q in matrices)]  # wte, wpe
     groups = [dict(name="scalar", params=no_decay, weight_decay=cfg.weight_decay,
                    lr_scale=scalar_lr / cfg.lr),
               dict(name="embedding", params=embeddings, weight_decay=0.0,
@@ -297,17 +295,6 @@ def lr_at(step, cfg):
         return cfg.lr * (step + 1) / cfg.lr_warmup_steps
     decay_ratio = (step - cfg.lr_warmup_steps) / max(1, cfg.max_steps - cfg.lr_warmup_steps)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * decay_ratio)) * (cfg.lr - cfg.min_lr)
-
-
-def peak_flops(device):
-    """Dense bf16 FLOP/s of one `device` from PEAK_BF16_TFLOPS, or None (CPU, unknown GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key in name:
-            return tflops * 1e12
-    return None
 
 
 # -------------------------------------------------------------------------------------------------
@@ -440,7 +427,15 @@ class Evaluator:
                 lambda: hellaswag.render_all(hellaswag.load_examples(path)))
 
     def __call__(self, model, step, stop):
-        """Whether the evaluation ran to its end (False: a stop was requested during it)."""
+        """Whether the evaluation ran to its end (False: a stop was requested during it). The
+        model is in eval mode meanwhile, so that a term for training alone stays out of it."""
+        model.eval()
+        try:
+            return self.evaluate(model, step, stop)
+        finally:
+            model.train()
+
+    def evaluate(self, model, step, stop):
         head = f"step {step:5d}/{self.cfg.max_steps} |"
 
         def stopped():
@@ -606,6 +601,7 @@ class Training(typing.NamedTuple):
     evaluate: Evaluator
     step_log: StepLog
     data: dict  # data_state(train_data): what each checkpoint records of the data
+    exportable: bool  # whether hf/ is written at the end (export_check)
 
 
 def setup(cfg, world_size, device, log, stop):
@@ -615,6 +611,9 @@ def setup(cfg, world_size, device, log, stop):
     if nothing_left(cfg, resume_path, log):
         return 0
     train_data, val_data = build_data(cfg, log)
+    if not cfg.eval_only and cfg.lr_warmup_steps > cfg.max_steps:  # a short try, as in nanoGPT
+        log(f"lr_warmup_steps {cfg.lr_warmup_steps} is more than max_steps {cfg.max_steps}: the "
+            f"warmup does not finish, and lr peaks at {lr_at(cfg.max_steps - 1, cfg):.2e}")
     start = f"init from {cfg.init_from or 'GPT-2 init'}"
     if resume_path:
         start = f"resuming from {resume_path}"
@@ -633,11 +632,19 @@ def setup(cfg, world_size, device, log, stop):
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's "
                          f"context ({model_config.block_size} positions)")
+    exportable = cfg.hf_export != "off" and not cfg.eval_only
+    if exportable:  # an edited model.py may compute what no GPT-2 does: said before step 1
+        exportable, line = on_rank0(lambda: export_check(model_config))
+        log(line)
+        if not exportable and cfg.hf_export == "require":
+            raise ValueError(f"config: hf_export='require', and {line}")
     model = build_model(model_config, init, cfg, device)
     optimizer = build_optimizer(model, cfg, device)
-    data, step = {}, 0
+    # What each checkpoint records besides the state, for a resume to compare: the data and the
+    # function that model.py computes.
+    data, step = dict(probe=on_rank0(lambda: model_probe(model_config))), 0
     if train_data is not None:
-        data = data_state(train_data)
+        data.update(data_state(train_data))
     if resume_path is not None:
         step, changed = resume(resume_path, model, optimizer, cfg, data, log, train_data)
         if changed:
@@ -647,7 +654,7 @@ def setup(cfg, world_size, device, log, stop):
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)
     if not cfg.eval_only:
-        return Training(model, optimizer, step, train_data, evaluate, step_log, data)
+        return Training(model, optimizer, step, train_data, evaluate, step_log, data, exportable)
     log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the "
         "config to eval_config.json); the run's own logs are left as they are")
     if evaluate(model, step, stop):
@@ -660,7 +667,7 @@ def train(cfg, rank, world_size, device, log, stop, checkpoints):
     training = setup(cfg, world_size, device, log, stop)
     if not isinstance(training, Training):
         return training  # an exit status: nothing left to train
-    model, optimizer, start_step, train_data, evaluate, step_log, data = training
+    model, optimizer, start_step, train_data, evaluate, step_log, data, exportable = training
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
     sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size,
                                       start_step * cfg.global_batch_size,
@@ -731,7 +738,11 @@ def train(cfg, rank, world_size, device, log, stop, checkpoints):
             if stop_requested:
                 return status
     checkpoints.wait()
-    publish_hf(model, cfg)
+    if exportable:
+        publish_hf(model, cfg)
+    elif cfg.hf_export != "off":
+        log("hf/ was not written: the model is not GPT-2's (the check before step 1 said why); "
+            "its checkpoints are in ckpt/, which sample.py and hellaswag.py read")
     return 0
 
 

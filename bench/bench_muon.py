@@ -5,10 +5,8 @@ wall time, each as a ratio Muon / AdamW (below 1: Muon is ahead).
     python bench/bench_muon.py                   # the demo's 400 steps
     python bench/bench_muon.py --steps 100       # a shorter schedule (warmup and decay fit into it)
 
-AdamW trains with the demo's settings. Muon trains with the same ones and the optimizer keys of
-configs/gpt2_124m_muon.py: its lr for the Muon matrices (min_lr the same fraction of it as the demo's), its momentum
-and lr adjustment, and for the AdamW part the demo's lr times the factor that config applies to the 124M recipe's
-lr (its muon_scalar_lr over configs/gpt2_124m.py's lr). Equal steps: both train
+AdamW trains with the demo's settings; Muon with the same ones and --optimizer=muon alone, so at Muon's own defaults
+(TrainConfig's muon_lr for the matrices and 3 x lr for the AdamW part). Equal steps: both train
 --steps steps and their final val losses are compared. Equal wall time: the step time of each is measured in short
 runs without validation, alternating (--rounds of each), and the median of Muon's over AdamW's says how many steps
 AdamW trains in Muon's time of --steps; a third run trains AdamW for that many steps, on its own schedule (when that
@@ -28,8 +26,6 @@ from configurator import exec_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.py")
-MUON = os.path.join(ROOT, "configs", "gpt2_124m_muon.py")
-RECIPE = os.path.join(ROOT, "configs", "gpt2_124m.py")
 
 
 def train(out_dir, steps, args, **overrides):
@@ -51,16 +47,22 @@ def main():
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each run (the demo's: 400)")
     parser.add_argument("--rounds", type=int, default=3, help="timing runs of each optimizer, alternating")
     parser.add_argument("--timing-steps", type=int, default=12, help="steps of each timing run")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first train Muon at muon_lr 0.01, 0.02, 0.04 x AdamW part 1x, 3x lr (equal steps)")
     parser.add_argument("--data-paths", default=os.path.join(ROOT, "data/shakespeare/processed_data_0_text_document"))
     args = parser.parse_args()
-    demo, muon_config = exec_config(DEMO), exec_config(MUON)
-    scalar_lr = demo["lr"] * muon_config["muon_scalar_lr"] / exec_config(RECIPE)["lr"]
+    demo, defaults = exec_config(DEMO), train_gpt2.TrainConfig()
     warmup = min(demo["lr_warmup_steps"], args.steps // 10)
-    muon = dict(optimizer="muon", lr=muon_config["lr"], min_lr=muon_config["lr"] * demo["min_lr"] / demo["lr"],
-                muon_scalar_lr=scalar_lr, lr_warmup_steps=warmup,
-                **{k: v for k, v in muon_config.items() if k in ("muon_momentum", "muon_adjust_lr")})
+    muon = dict(optimizer="muon", lr_warmup_steps=warmup)
+    scalar_lr = defaults.muon_scalar_lr or 3 * demo["lr"]
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir
+        if args.sweep:
+            for muon_lr in (0.01, 0.02, 0.04):
+                for factor in (1, 3):
+                    loss, _ = train(os.path.join(workdir, f"sweep_{muon_lr}_{factor}"), args.steps, args,
+                                    **dict(muon, muon_lr=muon_lr, muon_scalar_lr=factor * demo["lr"]))
+                    print(f"sweep: muon_lr {muon_lr:g}, AdamW part {factor}x lr: val loss {loss:.4f}", flush=True)
         ratios = []
         for k in range(args.rounds):
             timed = dict(lr_warmup_steps=1, val_tokens=0)
@@ -75,7 +77,7 @@ def main():
             timed_loss, _ = train(os.path.join(workdir, "adamw_timed"), same_time_steps, args,
                                   lr_warmup_steps=min(demo["lr_warmup_steps"], same_time_steps // 10))
     print(f"\ndemo model, {args.steps} steps: AdamW (lr {demo['lr']:g}) val loss {adamw_loss:.4f}; Muon (lr "
-          f"{muon['lr']:g}, AdamW part {scalar_lr:g}) val loss {muon_loss:.4f}; Muon's step time / AdamW's: "
+          f"{defaults.muon_lr:g}, AdamW part {scalar_lr:g}) val loss {muon_loss:.4f}; Muon's step time / AdamW's: "
           f"{statistics.median(ratios):.3f}x (rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
     print(f"equal steps ({args.steps}): Muon / AdamW val loss {muon_loss / adamw_loss:.3f}x")
     print(f"equal wall time (AdamW trains {same_time_steps} steps in Muon's time of {args.steps}, val loss "
