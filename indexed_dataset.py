@@ -598,8 +598,7 @@ def cached_blending_indices(weights, size, split, cache_dir):
         return dict(zip(layout, blending_indices(weights, size)))
 
     what = f"{split} blend of {length:,} samples from {len(weights)} datasets"
-    arrays = cached(cache_dir, f"BlendedDataset-{split}", key, layout, build, what)
-    return arrays["dataset_index"], arrays["dataset_sample_index"]
+    return tuple(cached(cache_dir, f"BlendedDataset-{split}", key, layout, build, what).values())
 
 
 class BlendedDataset:
@@ -638,9 +637,7 @@ def build_gpt_datasets(paths, *, seq_length, split="969,30,1", seed=1234, sizes=
     `paths` (resolve_blend) and `sizes` (samples per split, None: one epoch)."""
     sizes = [None if s is None else int(s) for s in sizes]
     builder = SplitsBuilder(paths, split, sizes, int(seq_length), int(seed), cache_dir, fallback_cache_dir)
-    if distributed()[1] == 1:
-        return builder.build()
-    return build_in_turns(builder.build)
+    return builder.build() if distributed()[1] == 1 else build_in_turns(builder.build)
 
 
 def train_samples(paths, *, seq_length, split, seed, num_samples, cache_dir=None, fallback_cache_dir=None):

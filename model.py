@@ -238,7 +238,9 @@ class GPT(nn.Module):
         """Parameters as transformers counts them (real vocabulary rows), less wpe's if asked."""
         n = sum(p.numel() for p in self.parameters())
         n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding and "wpe" in self.transformer:  # a model may have positions of its own
+            n -= self.transformer.wpe.weight.numel()
+        return n
 
     def flops_per_token(self, seq_len=None):
         """llm.c's count (gpt2_estimate_mfu): 6 per parameter, plus 6*L*C*T for attention."""

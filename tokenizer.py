@@ -41,8 +41,7 @@ SPECIAL_TOKENS = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
 HF_TOKENIZER_CONFIG = {
     "tokenizer_class": "GPT2Tokenizer", **SPECIAL_TOKENS, "pad_token": None, "add_bos_token": False,
     "add_prefix_space": False, "errors": "replace", "clean_up_tokenization_spaces": False,
-    "added_tokens_decoder": {str(EOT_ID): EOT_TOKEN},
-}
+    "added_tokens_decoder": {str(EOT_ID): EOT_TOKEN}}
 
 
 def write_hf_tokenizer(directory, bpe_dir=BPE_DIR, model_max_length=1024):
@@ -60,8 +59,7 @@ def write_hf_tokenizer(directory, bpe_dir=BPE_DIR, model_max_length=1024):
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None,
                   "continuing_subword_prefix": "", "end_of_word_suffix": "", "fuse_unk": False,
-                  "vocab": json.loads(vocab), "merges": merges.decode("utf-8").split("\n")[1:-1]},
-    }
+                  "vocab": json.loads(vocab), "merges": merges.decode("utf-8").split("\n")[1:-1]}}
     config = dict(HF_TOKENIZER_CONFIG, model_max_length=model_max_length)
     os.makedirs(directory, exist_ok=True)
     files = {"vocab.json": vocab, "merges.txt": merges,
