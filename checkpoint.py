@@ -29,10 +29,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from atomic_io import atomic_write, error_reason, fsync_dir, lock_holder
-from hf_files import from_pretrained, probe_logits, probe_model
+from hf_files import from_pretrained, probe_logits, probe_model, resolve_pretrained
 from indexed_dataset import first_samples_agree, train_samples
 from model import GPT, GPTConfig, local_block
-from processes import any_rank, barrier, broadcast_object, first_line, is_master, on_rank0
+from processes import (any_rank, barrier, broadcast_object, first_line, is_master, on_each_node,
+                       on_rank0)
 
 # A checkpoint is complete once MARKER is written, which is written last; it lists every file's size.
 MARKER = "complete.json"
@@ -268,9 +269,10 @@ def write_checkpoint(cfg, final, write_shards, rng, train_state, group=None):
             os.rename(tmp, final)
             fsync_dir(ckpt_root)
     except (Exception, dcp.CheckpointException) as e:
+        error = checkpoint_error(e, final)  # while the disk is still as full as the write found it
         if is_master():
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space; it never held a marker
-        raise checkpoint_error(e, final) from None
+        raise error from None
     if is_master():
         for old in complete_checkpoints(ckpt_root)[:-cfg.ckpt_keep]:
             shutil.rmtree(old)
@@ -396,6 +398,40 @@ def load_model(name_or_path):
         load_weights(path, models[path])
 
     return models[resolve_checkpoint(name_or_path, load)]
+
+
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size", "activation")
+
+
+def config_architecture(cfg):
+    """The GPTConfig fields that the config sets."""
+    return dict(block_size=cfg.seq_length, **{key: getattr(cfg, key) for key in ARCHITECTURE})
+
+
+def starting_point(cfg, resume_path):
+    """(GPTConfig, (kind, source)) of the first weights: "resume", "checkpoint" (init_from a run),
+    "hf" (a Hugging Face model, with our padded_vocab_size) or "seed" (GPT-2's init)."""
+    if resume_path is not None:
+        model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
+        differ = [f"{k} {getattr(model_config, k)} (config: {getattr(cfg, k)})"
+                  for k in ARCHITECTURE if getattr(model_config, k) != getattr(cfg, k)]
+        if differ and cfg.init_from is None:
+            raise ValueError(f"{resume_path}: the checkpoint to resume from has "
+                             f"{', '.join(differ)}; use the checkpoint's architecture or "
+                             "another out_dir")
+        return model_config, ("resume", resume_path)
+    if cfg.init_from is None:
+        return GPTConfig(**config_architecture(cfg)), ("seed", cfg.seed)
+    if os.path.isdir(os.path.join(cfg.init_from, "ckpt")) or \
+            os.path.isfile(os.path.join(cfg.init_from, "train_state.json")):  # a run's weights
+        path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
+        if cfg.init_from_partial:
+            return GPTConfig(**config_architecture(cfg)), ("checkpoint", path)
+        return GPTConfig(**model_config), ("checkpoint", path)
+    # A hub id is downloaded by each node into its own cache.
+    directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))
+    hf_config = dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size)
+    return hf_config, ("hf", directory)
 
 
 def init_checkpoint(source):

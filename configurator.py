@@ -348,7 +348,7 @@ def recipe_defaults(items):
         ours.update(lr=lr, beta1=betas[0], beta2=betas[1], adam_eps=eps, weight_decay=weight_decay,
                     optimizer="adamw")
     if optimizer == "Muon":
-        # dion's scalar_lr defaults to its lr; ours to 3 x lr
+        # dion's scalar_lr defaults to its lr; ours to 5 x lr
         scalar_lr = items.get("optimizer.lr", lr)
         ours.update(optimizer="muon", muon_lr=lr, muon_momentum=0.95, muon_embed_lr=None,
                     muon_adjust_lr="spectral_norm", muon_scalar_lr=scalar_lr)

@@ -657,6 +657,12 @@ def train_samples(paths, *, seq_length, split, seed, num_samples, cache_dir=None
                                      fallback_cache_dir=fallback_cache_dir)
     if train is None:
         raise ValueError(f"{paths}: the train split is empty (split {split!r})")
+    if weights is not None:  # said at every start: the cache says it only when it builds the blend
+        shares = normalize(weights)
+        if len(prefixes) > 8:
+            log(f"train blend: {len(prefixes)} prefixes, weights {min(shares):.4f} to {max(shares):.4f}")
+        else:
+            log("train blend: " + ", ".join(f"{p} {share:.4f}" for p, share in zip(prefixes, shares)))
     return train
 
 def build_in_turns(build):

@@ -1,9 +1,10 @@
 """The run's processes: the process group and helpers that work with or without one, the stop that
 a SIGTERM or SIGINT asks for, and the one line that says why a run ended (a lost peer, a full disk)."""
 import errno
-import resource
+import gc
 import os
 import re
+import resource
 import signal
 import sys
 import time
@@ -11,6 +12,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 
 def setup_distributed(device_choice="auto", timeout_s=900):
     """(rank, world_size, device); under torchrun also the process group: NCCL on GPUs, gloo on CPU."""
@@ -29,6 +31,14 @@ def setup_distributed(device_choice="auto", timeout_s=900):
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", timeout=timeout, device_id=device)
     return rank, world_size, device
+
+
+def end_distributed():
+    """Destroy the process group, if any. What still refers to it (compiled graphs, FSDP state) is
+    freed first: gloo otherwise aborts now and then at exit."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 # Each helper below also works without a process group (one process), so callers never branch.
@@ -107,6 +117,10 @@ def any_rank(flag):
     return total.item() > 0
 
 
+def say(text):
+    print(text, file=sys.stderr, flush=True)
+
+
 class StopRequest:
     """Why the run should stop at the next step: a SIGTERM or SIGINT (it then checkpoints and exits
     128 + signum), or a data error of the reading thread (it checkpoints, then reports the error).
@@ -142,13 +156,18 @@ class StopRequest:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
 
+    def stopped(self, step, log):
+        """Say that the run stopped at `step` after its checkpoint; the exit status, 128 + signum
+        (143 for SIGTERM, also on a rank that only heard of the stop from another)."""
+        since = ""
+        if self.time:
+            since = f", {time.perf_counter() - self.time:.1f} s after the signal"
+        log(f"stopped by a signal at step {step}{since}; rerun the same command to resume")
+        return 128 + (self.signal or signal.SIGTERM)
+
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
-
-def say(text):
-    print(text, file=sys.stderr, flush=True)
 
 
 GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

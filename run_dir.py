@@ -135,6 +135,10 @@ class RunLog:
         # Plotted against the training step, not wandb's own counter.
         self.wandb.define_metric("*", step_metric="step")
 
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
     def __call__(self, text, main_log=None, **metrics):
         if not self.master:
             return

@@ -13,7 +13,6 @@ learning-rate schedule is lr_at(), the optimizer and its parameter groups are bu
 and one training step is the body of the loop in train().
 """
 import dataclasses
-import gc
 import importlib.util
 import math
 import os
@@ -29,15 +28,14 @@ import torch
 import torch.distributed as dist
 
 import hellaswag
-from checkpoint import (Checkpoints, data_state, init_checkpoint, last_good_checkpoint,
-                        load_init_checkpoint, model_probe, read_train_state, resume)
+from checkpoint import (ARCHITECTURE, Checkpoints, data_state, last_good_checkpoint,
+                        load_init_checkpoint, model_probe, resume, starting_point)
 from configurator import NANOGPT_INIT_FROM, config_help, parse_config
-from hf_files import export_check, load_hf_sharded, resolve_pretrained
-from indexed_dataset import (LLMCValWindows, PretrainingSampler, resolve_blend,
-                             sequential_samples, train_samples)
-from model import ACTIVATIONS, GPT, GPTConfig, init_sharded, materialize, parameters_on_meta
-from processes import (StopRequest, any_rank, error_line, is_master, on_each_node,
-                       on_rank0, peak_flops, peak_memory, rank_and_world_size, setup_distributed,
+from hf_files import export_check, load_hf_sharded
+from indexed_dataset import LLMCValWindows, PretrainingSampler, sequential_samples, train_samples
+from model import ACTIVATIONS, GPT, init_sharded, materialize, parameters_on_meta
+from processes import (StopRequest, any_rank, end_distributed, error_line, is_master, on_rank0,
+                       peak_flops, peak_memory, rank_and_world_size, setup_distributed,
                        torch_version_problem)
 from run_dir import RunLog, nothing_left, prepare_out_dir, publish_hf, unlock_out_dirs
 from sample import sample_texts
@@ -80,10 +78,10 @@ class TrainConfig:
     optimizer: str = "adamw"  # or "muon": the blocks' matrices, AdamW the rest (docs/training.md)
     # Muon's own rates, chosen by a sweep on the demo (docs/benchmarks.md#muon); the schedule scales
     # each as it scales lr, so min_lr / lr is their floor too.
-    muon_lr: float = 0.02  # for the blocks' matrices
+    muon_lr: float = 0.01  # for the blocks' matrices
     muon_momentum: float = 0.95  # dion's mu
     muon_adjust_lr: str = "spectral_norm"  # lr x sqrt(fan_out/fan_in); "rms_norm": 0.2 sqrt(max)
-    muon_scalar_lr: float | None = None  # AdamW's lr for biases and LayerNorms; None: 3 x lr
+    muon_scalar_lr: float | None = None  # AdamW's for biases, LayerNorms; None: SCALAR_LR_FACTOR x lr
     muon_embed_lr: float | None = None  # for wte (the tied head) and wpe; None: muon_scalar_lr
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     # evaluation at step 0, every val_every_steps and after the last step
@@ -93,9 +91,8 @@ class TrainConfig:
     hellaswag_limit: int | None = None  # score only the first N examples
     sample_tokens: int = 0  # tokens sampled at each validation (GPT-2's vocabulary); 0 = off
     eval_only: bool = False  # evaluate the initial model (init_from or out_dir's) once and exit
-    # hf/ at the end of the run: "auto" writes it where a check before step 1 finds that it holds
-    # what the model computes (an edited model.py may not be GPT-2), "require" stops the run there
-    # otherwise, "off" writes none
+    # hf/ at the end: "auto" where a check before step 1 finds that transformers' GPT-2 computes
+    # the model (an edited one may not be GPT-2); "require": stop there otherwise; "off": none
     hf_export: str = "auto"
     # outputs
     out_dir: str = "out"
@@ -176,40 +173,6 @@ def load_config(argv):
 # -------------------------------------------------------------------------------------------------
 # model and optimizer
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size", "activation")
-
-
-def config_architecture(cfg):
-    """The GPTConfig fields that the config sets."""
-    return dict(block_size=cfg.seq_length, **{key: getattr(cfg, key) for key in ARCHITECTURE})
-
-
-def starting_point(cfg, resume_path):
-    """(GPTConfig, (kind, source)) of the first weights: "resume", "checkpoint" (init_from a run),
-    "hf" (a Hugging Face model, with our padded_vocab_size) or "seed" (GPT-2's init)."""
-    if resume_path is not None:
-        model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
-        differ = [f"{k} {getattr(model_config, k)} (config: {getattr(cfg, k)})"
-                  for k in ARCHITECTURE if getattr(model_config, k) != getattr(cfg, k)]
-        if differ and cfg.init_from is None:
-            raise ValueError(f"{resume_path}: the checkpoint to resume from has "
-                             f"{', '.join(differ)}; use the checkpoint's architecture or "
-                             "another out_dir")
-        return model_config, ("resume", resume_path)
-    if cfg.init_from is None:
-        return GPTConfig(**config_architecture(cfg)), ("seed", cfg.seed)
-    if os.path.isdir(os.path.join(cfg.init_from, "ckpt")) or \
-            os.path.isfile(os.path.join(cfg.init_from, "train_state.json")):  # a run's weights
-        path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
-        if cfg.init_from_partial:
-            return GPTConfig(**config_architecture(cfg)), ("checkpoint", path)
-        return GPTConfig(**model_config), ("checkpoint", path)
-    # A hub id is downloaded by each node into its own cache.
-    directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))
-    hf_config = dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size)
-    return hf_config, ("hf", directory)
-
-
 def build_model(model_config, init, cfg, device):
     """The model built on the meta device and sharded with FSDP2 under torchrun; then each rank
     fills in its own rows of the weights."""
@@ -251,6 +214,11 @@ def build_model(model_config, init, cfg, device):
     return model
 
 
+# Muon's AdamW part trains at this multiple of lr unless muon_scalar_lr is set: the demo's sweep
+# found it better at 5x (and 10x) than at 1x or 3x, more than Muon's own lr mattered.
+SCALAR_LR_FACTOR = 5
+
+
 def build_optimizer(model, cfg, device):
     """The optimizers the loop steps: AdamW, with weight decay on the 2-D parameters (matmul weights
     and embeddings) only, as the GPT-2 recipes do; or Muon and AdamW, grouped as dion's Muon is.
@@ -277,9 +245,8 @@ def build_optimizer(model, cfg, device):
     muon = torch.optim.Muon(groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, nesterov=False,
                             adjust_lr_fn=adjust_lr_fn)
     # AdamW: biases and LayerNorms with weight decay, the 2-D parameters outside the blocks (the
-    # embeddings; wte is the head too) without, at 3x the AdamW recipe's lr by default: the
-    # sweep's best, where 1x lost to AdamW alone.
-    scalar_lr = cfg.muon_scalar_lr or 3 * cfg.lr
+    # embeddings; wte is the head too) without.
+    scalar_lr = cfg.muon_scalar_lr or SCALAR_LR_FACTOR * cfg.lr
     embeddings = [p for p in decay if all(p is not q for q in matrices)]  # wte, wpe
     groups = [dict(name="scalar", params=no_decay, weight_decay=cfg.weight_decay,
                    lr_scale=scalar_lr / cfg.lr),
@@ -337,15 +304,6 @@ def build_train_data(cfg, log):
                                seed=cfg.seed, num_samples=num_samples,
                                cache_dir=cfg.index_mapping_dir,
                                fallback_cache_dir=os.path.join(cfg.out_dir, "index_cache"))
-    prefixes, weights = resolve_blend(cfg.data_paths)
-    if weights is not None:  # said at every start: the cache says it only when it builds the blend
-        shares = [w / sum(weights) for w in weights]
-        if len(prefixes) > 8:
-            log(f"train blend: {len(prefixes)} prefixes, weights {min(shares):.4f} to "
-                f"{max(shares):.4f}")
-        else:
-            log("train blend: " + ", ".join(f"{prefix} {share:.4f}"
-                                            for prefix, share in zip(prefixes, shares)))
     if num_samples is None:
         cfg.max_steps = len(train_data) // cfg.global_batch_size
         if cfg.max_steps < 1:
@@ -597,7 +555,7 @@ class Training(typing.NamedTuple):
     model: torch.nn.Module
     optimizer: list  # build_optimizer's torch optimizers, stepped and saved together
     start_step: int
-    train_data: object  # Megatron's GPTDataset or BlendedDataset samples (indexed_dataset)
+    batches: object  # prefetch()'s queue of each step's micro-batches
     evaluate: Evaluator
     step_log: StepLog
     data: dict  # data_state(train_data): what each checkpoint records of the data
@@ -607,9 +565,11 @@ class Training(typing.NamedTuple):
 def setup(cfg, world_size, device, log, stop):
     """out_dir, data, model, optimizer, resume and evaluation, in that order: a Training, or an
     exit status when nothing is left to train (eval_only, or a run already complete)."""
+    # Rank 0 checks and locks out_dir and picks the checkpoint to resume from, if any.
     resume_path = on_rank0(lambda: prepare_out_dir(cfg.out_dir, cfg.eval_only))
     if nothing_left(cfg, resume_path, log):
         return 0
+    # The data first: a wrong path or a short split fails in seconds, before any model is built.
     train_data, val_data = build_data(cfg, log)
     if not cfg.eval_only and cfg.lr_warmup_steps > cfg.max_steps:  # a short try, as in nanoGPT
         log(f"lr_warmup_steps {cfg.lr_warmup_steps} is more than max_steps {cfg.max_steps}: the "
@@ -622,7 +582,9 @@ def setup(cfg, world_size, device, log, stop):
     grad_accum_steps = max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
         f"{grad_accum_steps}; {start}")
-    model_config, init = starting_point(cfg, resume_path)
+    # The model: its architecture and where its first weights come from, said before step 1 with
+    # whether its hf/ export will compute what it does.
+    model_config, init = starting_point(cfg, resume_path)  # resume, init_from or the config
     # The weights' architecture wins (init_from or a checkpoint): train_config.json says so.
     for key in ARCHITECTURE:
         if getattr(cfg, key) != getattr(model_config, key):
@@ -645,6 +607,8 @@ def setup(cfg, world_size, device, log, stop):
     data, step = dict(probe=on_rank0(lambda: model_probe(model_config))), 0
     if train_data is not None:
         data.update(data_state(train_data))
+    # A resume loads the model, the optimizer and the random generators, after checking that
+    # neither the data nor the model changed under the run.
     if resume_path is not None:
         step, changed = resume(resume_path, model, optimizer, cfg, data, log, train_data)
         if changed:
@@ -654,7 +618,15 @@ def setup(cfg, world_size, device, log, stop):
     evaluate = Evaluator(cfg, val_data, model_config.vocab_size, device, log)
     step_log = StepLog(cfg, log, device, model)
     if not cfg.eval_only:
-        return Training(model, optimizer, step, train_data, evaluate, step_log, data, exportable)
+        # Megatron's sampler: rank r takes its local batches from the consumed-sample count on, so
+        # a resume on any number of ranks reads the samples the uninterrupted run would have read.
+        rank, world_size = rank_and_world_size()
+        sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size,
+                                          step * cfg.global_batch_size,
+                                          cfg.local_batch_size, rank, world_size))
+        batches = prefetch(train_data, sampler, grad_accum_steps, model_config.vocab_size,
+                           device.type == "cuda", stop)
+        return Training(model, optimizer, step, batches, evaluate, step_log, data, exportable)
     log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the "
         "config to eval_config.json); the run's own logs are left as they are")
     if evaluate(model, step, stop):
@@ -662,18 +634,13 @@ def setup(cfg, world_size, device, log, stop):
     return 128 + (stop.signal or signal.SIGTERM)
 
 
-def train(cfg, rank, world_size, device, log, stop, checkpoints):
+def train(cfg, world_size, device, log, stop, checkpoints):
     """Set up, then train from the start step to max_steps; the exit status."""
     training = setup(cfg, world_size, device, log, stop)
     if not isinstance(training, Training):
         return training  # an exit status: nothing left to train
-    model, optimizer, start_step, train_data, evaluate, step_log, data, exportable = training
+    model, optimizer, start_step, batches, evaluate, step_log, data, exportable = training
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
-    sampler = iter(PretrainingSampler(cfg.max_steps * cfg.global_batch_size,
-                                      start_step * cfg.global_batch_size,
-                                      cfg.local_batch_size, rank, world_size))
-    batches = prefetch(train_data, sampler, grad_accum_steps, model.config.vocab_size,
-                       device.type == "cuda", stop)
 
     def save(done, stopping=False):
         """Checkpoint after `done` steps; on a stop, the exit status 128 + signum (143 for
@@ -682,15 +649,13 @@ def train(cfg, rank, world_size, device, log, stop, checkpoints):
         if stop.error is not None:
             raise stop.error
         if stopping:
-            since = ""
-            if stop.time:
-                since = f", {time.perf_counter() - stop.time:.1f} s after the signal"
-            log(f"stopped by a signal at step {done}{since}; rerun the same command to resume")
-            return 128 + (stop.signal or signal.SIGTERM)  # or another rank's
+            return stop.stopped(done, log)
 
     if any_rank(stop.requested()):  # a signal during setup: nothing to train before the checkpoint
         return save(start_step, stopping=True)
     for step in range(start_step, cfg.max_steps + 1):
+        # Evaluate before the update of step s, so that step 0 is the initial model and the last
+        # evaluation is of the final one, as in llm.c's logs.
         last_step = step == cfg.max_steps
         if step % cfg.val_every_steps == 0 or last_step:
             step_log.flush(keep_last=False)
@@ -706,6 +671,8 @@ def train(cfg, rank, world_size, device, log, stop, checkpoints):
             if world_size == 1:  # the other ranks could not join the checkpoint
                 return save(step, stopping=True)
             raise step_batches
+        # Gradient accumulation: each micro-batch's loss is scaled so that the gradient is the mean
+        # over all global_batch_size sequences, whatever the number of ranks.
         loss_sum = torch.zeros((), device=device)
         for micro_step, (tokens, labels) in enumerate(step_batches):
             tokens = tokens.to(device, non_blocking=True)
@@ -718,12 +685,14 @@ def train(cfg, rank, world_size, device, log, stop, checkpoints):
             loss_sum += micro_loss.detach()
         loss = loss_sum / grad_accum_steps
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        # Every group follows the schedule at its own scale (Muon's matrices, a 10x embedding).
         lr = lr_at(step, cfg)
         for opt in optimizer:
             for group in opt.param_groups:
                 group["lr"] = lr * group["lr_scale"]
             opt.step()
             opt.zero_grad(set_to_none=True)
+        # The step's numbers are copied to the host without waiting; they are logged a step later.
         stop_requested = step_log.end_step(step, lr, loss, norm, stop)
         checkpoints.poll()
 
@@ -737,6 +706,7 @@ def train(cfg, rank, world_size, device, log, stop, checkpoints):
             status = save(done, stopping=stop_requested)
             if stop_requested:
                 return status
+    # The last checkpoint is on disk before hf/ is written from the same weights.
     checkpoints.wait()
     if exportable:
         publish_hf(model, cfg)
@@ -757,7 +727,7 @@ def main(argv=None):
 def run(cfg, restore_signals=True):
     """Train; with `restore_signals` False (the command line), SIGTERM and SIGINT stay absorbed
     until the process exits, so that a signal during the report of an error cannot cut it short."""
-    rank, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
+    _, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
     log_dir = cfg.out_dir
     if cfg.eval_only:
         log_dir = os.path.join(cfg.out_dir, "eval")
@@ -766,20 +736,15 @@ def run(cfg, restore_signals=True):
     checkpoints = Checkpoints(cfg, log)
     try:
         try:
-            return train(cfg, rank, world_size, device, log, stop, checkpoints)
+            return train(cfg, world_size, device, log, stop, checkpoints)
         finally:  # a stop, the end of the run or an error: the write in flight is finished first
             checkpoints.wait()
     finally:
         if restore_signals:
             stop.restore()
-        if log.wandb is not None:
-            log.wandb.finish()
+        log.close()
         unlock_out_dirs()
-        if dist.is_initialized():
-            # Free what still refers to the process group (compiled graphs, FSDP state) first:
-            # gloo otherwise aborts now and then at exit.
-            gc.collect()
-            dist.destroy_process_group()
+        end_distributed()
 
 
 def cli(argv=None):

@@ -6,7 +6,7 @@ wall time, each as a ratio Muon / AdamW (below 1: Muon is ahead).
     python bench/bench_muon.py --steps 100       # a shorter schedule (warmup and decay fit into it)
 
 AdamW trains with the demo's settings; Muon with the same ones and --optimizer=muon alone, so at Muon's own defaults
-(TrainConfig's muon_lr for the matrices and 3 x lr for the AdamW part). Equal steps: both train
+(TrainConfig's muon_lr for the matrices and SCALAR_LR_FACTOR x lr for the AdamW part). Equal steps: both train
 --steps steps and their final val losses are compared. Equal wall time: the step time of each is measured in short
 runs without validation, alternating (--rounds of each), and the median of Muon's over AdamW's says how many steps
 AdamW trains in Muon's time of --steps; a third run trains AdamW for that many steps, on its own schedule (when that
@@ -22,6 +22,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt2  # noqa: E402
+from train_gpt2 import SCALAR_LR_FACTOR  # noqa: E402
 from configurator import exec_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,22 +48,23 @@ def main():
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps of each run (the demo's: 400)")
     parser.add_argument("--rounds", type=int, default=3, help="timing runs of each optimizer, alternating")
     parser.add_argument("--timing-steps", type=int, default=12, help="steps of each timing run")
-    parser.add_argument("--sweep", action="store_true",
-                        help="first train Muon at muon_lr 0.01, 0.02, 0.04 x AdamW part 1x, 3x lr (equal steps)")
+    parser.add_argument("--sweep-lrs", type=float, nargs="*", default=[],
+                        help="first train Muon at each of these muon_lr x each --sweep-factors (equal steps)")
+    parser.add_argument("--sweep-factors", type=float, nargs="*", default=[1, 3],
+                        help="the AdamW part's lr as these multiples of the demo's lr")
     parser.add_argument("--data-paths", default=os.path.join(ROOT, "data/shakespeare/processed_data_0_text_document"))
     args = parser.parse_args()
     demo, defaults = exec_config(DEMO), train_gpt2.TrainConfig()
     warmup = min(demo["lr_warmup_steps"], args.steps // 10)
     muon = dict(optimizer="muon", lr_warmup_steps=warmup)
-    scalar_lr = defaults.muon_scalar_lr or 3 * demo["lr"]
+    scalar_lr = defaults.muon_scalar_lr or SCALAR_LR_FACTOR * demo["lr"]
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir
-        if args.sweep:
-            for muon_lr in (0.01, 0.02, 0.04):
-                for factor in (1, 3):
-                    loss, _ = train(os.path.join(workdir, f"sweep_{muon_lr}_{factor}"), args.steps, args,
-                                    **dict(muon, muon_lr=muon_lr, muon_scalar_lr=factor * demo["lr"]))
-                    print(f"sweep: muon_lr {muon_lr:g}, AdamW part {factor}x lr: val loss {loss:.4f}", flush=True)
+        for muon_lr in args.sweep_lrs:
+            for factor in args.sweep_factors:
+                loss, _ = train(os.path.join(workdir, f"sweep_{muon_lr}_{factor}"), args.steps, args,
+                                **dict(muon, muon_lr=muon_lr, muon_scalar_lr=factor * demo["lr"]))
+                print(f"sweep: muon_lr {muon_lr:g}, AdamW part {factor:g}x lr: val loss {loss:.4f}", flush=True)
         ratios = []
         for k in range(args.rounds):
             timed = dict(lr_warmup_steps=1, val_tokens=0)

@@ -19,7 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "model_distributed_worker.py")
+WORKER = os.path.join(ROOT, "tests", "hf_files_distributed_worker.py")
 
 
 def launch(mode, hf_dir, nproc):

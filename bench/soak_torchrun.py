@@ -35,6 +35,7 @@ PHASES = ("setup", "evaluation", "checkpoint", "export", "step")
 LAUNCHER = """
 import os, subprocess, sys
 import torch
+import checkpoint
 import train_gpt2
 spec = os.environ.get("SOAK_SIGNAL")
 if spec:
@@ -66,7 +67,7 @@ if spec:
         setattr(owner, name, wrapper)
     if int(os.environ.get("RANK", 0)) == sender:
         owner, name = {"setup_distributed": (train_gpt2, "setup_distributed"), "setup": (train_gpt2, "setup"),
-                       "evaluation": (train_gpt2.Evaluator, "__call__"), "checkpoint": (train_gpt2, "save_checkpoint"),
+                       "evaluation": (train_gpt2.Evaluator, "__call__"), "checkpoint": (checkpoint, "save_checkpoint"),
                        "export": (train_gpt2, "publish_hf"), "step": (torch.optim.AdamW, "step")}[phase]
         at(owner, name)
 train_gpt2.cli()

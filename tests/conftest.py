@@ -110,9 +110,161 @@ def save_tiny_hf_gpt2(path, vocab_size):
     return path
 
 
+# -----------------------------------------------------------------------------
+# Hugging Face GPT-2s to load and compare against (test_model.py, test_hf_files.py, test_checkpoint.py)
+
+TOL = 1e-5
+
+
+def random_hf_model(seed=0, **overrides):
+    """A transformers GPT-2 with every parameter random, biases and LayerNorms included, so no mapping hides."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    kwargs = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64)
+    kwargs.update(overrides)
+    kwargs.setdefault("bos_token_id", 50256 if kwargs["vocab_size"] > 50256 else None)
+    kwargs.setdefault("eos_token_id", kwargs["bos_token_id"])
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**kwargs)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def randomize(model, seed=0):
+    """Perturb every parameter of our GPT (its init has zero biases and unit LayerNorms)."""
+    import torch
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def batch(vocab_size, block_size, seed=1):
+    """Three full-context rows, so every position embedding is used."""
+    import torch
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab_size, (3, block_size), generator=generator)
+    labels = idx.clone()
+    labels[0, 5:9] = -100  # ignored positions must be left out of the mean the same way
+    return idx, labels
+
+
+def assert_matches_hf(ours, hf):
+    """Same logits, and the same mean loss: transformers shifts labels inside, we take next-token targets."""
+    import torch
+    cfg = ours.config
+    idx, labels = batch(cfg.vocab_size, cfg.block_size)
+    with torch.no_grad():
+        hf_out = hf(idx, labels=labels)
+        targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        logits, loss = ours(idx)[0], ours(idx, targets)[1]  # with targets the model returns the loss alone
+    assert logits.shape == hf_out.logits.shape == (*idx.shape, cfg.vocab_size)
+    assert (logits - hf_out.logits).abs().max().item() < TOL
+    assert abs(loss.item() - hf_out.loss.item()) < TOL
+
+
+def save_hf_dir(tmp_path, hf):
+    path = tmp_path / "hf"
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """transformers' own export of a small random GPT-2, and the model itself."""
+    hf = random_hf_model()
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(autouse=True)
+def signals_kept():
+    """The test runner's SIGTERM and SIGINT handlers, put back after every test. train_gpt2.cli() in this process
+    leaves the run's handlers installed (on the command line the process exits next), and they absorb SIGTERM: a
+    multiprocessing.Pool forked later (prepare_fineweb.py) could then never terminate its workers."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def script(*args, env=None, timeout=300):
+    """`python train_gpt2.py ARGS` in a process of its own, its output captured."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt2.py"), *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, env=None if env is None else {**os.environ, **env})
+
+
+@pytest.fixture(scope="session")
+def finished(data, tmp_path_factory):
+    """A 20-step run with checkpoints at 10 and 20, on its own copy of the data (tests replace it); tests copy it."""
+    import train_gpt2
+    base = tmp_path_factory.mktemp("finished")
+    prefix = str(base / "data" / "bytes")
+    os.makedirs(os.path.dirname(prefix))
+    for suffix in (".bin", ".idx"):
+        shutil.copy(data + suffix, prefix + suffix)
+    out = base / "out"
+    assert train_gpt2.main(tiny(prefix, out, max_steps=20, index_mapping_dir=str(base / "cache"))) == 0
+    return prefix, out
+
+
+def rerun(finished, tmp_path, **overrides):
+    """A copy of the finished run's out_dir (its step-10 checkpoint newest), rerun with overrides."""
+    prefix, out = finished
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "ckpt" / "step_00000020")
+    shutil.rmtree(copy / "hf")
+    config = (copy / "train_config.json").read_text()
+    args = tiny(prefix, copy, max_steps=20, index_mapping_dir=os.path.join(os.path.dirname(prefix), "..", "cache"))
+    overrides = [f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in overrides.items()]
+    return copy, config, args + overrides
+
+
+def small_byte_datasets(directory, count=2, blocks_each=15):
+    """`count` byte-level prefixes of a few Shakespeare paragraphs each: a short epoch."""
+    with open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8") as f:
+        blocks = [b for b in re.split(r"\n\s*\n", f.read()) if b.strip()]
+    for i in range(count):
+        builder = IndexedDatasetBuilder(os.path.join(directory, f"part_{i}.bin"), dtype=np.uint16)
+        for block in blocks[i * blocks_each:(i + 1) * blocks_each]:
+            builder.add_document(np.append(np.frombuffer(block.encode(), dtype=np.uint8), BYTE_EOT).astype(np.uint16))
+        builder.finalize(os.path.join(directory, f"part_{i}.idx"))
+    return os.path.join(directory, "part_*")
+
+
+def gpt2_token_dataset(prefix):
+    """Shakespeare's first 2,000 paragraphs in GPT-2 tokens, each ending in EOT."""
+    from tokenizer import EOT_ID, gpt2_encoding
+    text = open(os.path.join(ROOT, "data", "tinyshakespeare.txt"), encoding="utf-8").read()
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for block in text.split("\n\n")[:2000]:
+        builder.add_document(np.array(gpt2_encoding().encode_ordinary(block) + [EOT_ID], np.uint16))
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
 def torchrun(args, nproc=2):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             os.path.join(ROOT, "train_gpt2.py"), *args]
+
+
+def launch_worker(worker, nproc, *args):
+    """Start tests/`worker` on `nproc` gloo ranks under torchrun, with the project root as its first argument."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                             str(nproc), os.path.join(ROOT, "tests", worker), ROOT, *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def worker_results(launch):
+    """The `RESULT <json>` lines rank 0 of a launch_worker printed, as dicts."""
+    stdout, stderr = launch.communicate(timeout=300)
+    assert launch.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return [json.loads(line.removeprefix("RESULT ")) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
 def run(cmd, timeout=300):
@@ -319,3 +471,14 @@ def wait_nodes(procs, log_dir, timeout=240):
         with open(os.path.join(log_dir, f"node{index}.out")) as f:
             outputs.append(f.read())
     return [proc.returncode for proc in procs], outputs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test marked gpt2 says what it checks: an edit of model.py's architecture is expected to fail it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("gpt2") is not None:
+        report.sections.append(("GPT-2 parity", "this test checks parity with GPT-2 (transformers' model, Hugging Face "
+                                "files, parameter or FLOP counts); after an edit of model.py's architecture it is "
+                                "expected to fail, and `-m \"not gpt2\"` leaves such tests out"))

@@ -3,7 +3,8 @@ import socket
 
 import pytest
 
-from atomic_io import LockHeld, atomic_path, atomic_save, atomic_write, error_reason, lock_file, remove_stale_temporaries
+from atomic_io import (LockHeld, atomic_path, atomic_save, atomic_write, error_reason, lock_file, lock_holder,
+                       remove_stale_temporaries)
 
 
 def test_atomic_write_publishes_complete_file(tmp_path):
@@ -100,6 +101,16 @@ def test_a_lock_file_keeps_a_second_taker_out_naming_the_holder_until_it_is_clos
     assert str(held.value) == f"{path} is held by {held.value.holder}"
     os.close(fd)
     os.close(lock_file(path))
+
+
+def test_lock_holder_says_who_holds_a_lock_file_and_none_once_it_is_free(tmp_path):
+    path = str(tmp_path / ".lock")
+    assert lock_holder(path) is None  # no such file: no run ever held it
+    fd = lock_file(path)
+    assert lock_holder(path) == f"pid {os.getpid()} on host {socket.gethostname()}"
+    os.close(fd)  # the holder is gone (as when a run ends or is killed); what it wrote stays
+    assert lock_holder(path) is None and os.path.getsize(path) > 0
+    os.close(lock_file(path))  # looking took no lock
 
 
 def test_a_lock_file_its_holder_removed_counts_as_held(tmp_path):

@@ -140,6 +140,11 @@ def todays_recipe(tmp_path, data, *edits):
     return str(recipe)
 
 
+def test_todays_automodel_recipe_cut_shorter_than_its_warmup_is_a_valid_config(data, tmp_path):
+    cfg = train_gpt2.load_config([todays_recipe(tmp_path, data, ("  max_steps: 10", "  max_steps: 1"))])
+    assert (cfg.max_steps, cfg.lr_warmup_steps) == (1, 2)
+
+
 @pytest.mark.slow
 def test_todays_automodel_recipe_trains_as_written_and_says_every_key(data, tmp_path):
     """recipe:, FusedAdam's options and model.config's sizes are accepted; the run's model has model.config's sizes."""
@@ -327,7 +332,6 @@ def test_load_config_errors_name_file_and_line(tmp_path):
     ("--beta2=-0.5", "beta2 must be in [0, 1), got -0.5"),
     ("--adam_eps=0", "adam_eps must be > 0, got 0.0"),
     ("--grad_clip=-1", "grad_clip must be >= 0 (0: no clipping), got -1.0"),
-    ("--lr_warmup_steps=20000", "lr_warmup_steps must be <= max_steps (19073), got 20000"),
     ("--lr_warmup_steps=-1", "lr_warmup_steps must be >= 0, got -1"),
     ("--local_batch_size=0", "local_batch_size must be >= 1, got 0"),
     ("--ckpt_keep=0", "ckpt_keep must be >= 1, got 0"),
@@ -395,14 +399,15 @@ def muon_recipe(tmp_path, data, *edits):
 
 def test_automodels_muon_section_maps_key_by_key_and_its_defaults_are_muonconfigs(data, tmp_path):
     cfg = train_gpt2.load_config([muon_recipe(tmp_path, data)])
-    assert (cfg.optimizer, cfg.lr, cfg.muon_momentum, cfg.muon_adjust_lr, cfg.beta1, cfg.beta2, cfg.adam_eps,
-            cfg.muon_scalar_lr, cfg.muon_embed_lr, cfg.weight_decay) == \
-        ("muon", 0.02, 0.9, "rms_norm", 0.8, 0.95, 1e-10, 0.003, 0.006, 0.01)
+    assert (cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.muon_adjust_lr, cfg.beta1, cfg.beta2,
+            cfg.adam_eps, cfg.muon_scalar_lr, cfg.muon_embed_lr, cfg.weight_decay) == \
+        ("muon", 0.02, 0.02, 0.9, "rms_norm", 0.8, 0.95, 1e-10, 0.003, 0.006, 0.01)
     bare = muon_recipe(tmp_path, data, *[(line + "\n", "") for line in MUON_SECTION.splitlines()[2:-1]])
     cfg = train_gpt2.load_config(["--optimizer=adamw", "--muon_scalar_lr=1.0", bare])
-    assert (cfg.optimizer, cfg.lr, cfg.muon_momentum, cfg.muon_adjust_lr, cfg.beta1, cfg.beta2, cfg.adam_eps,
-            cfg.muon_scalar_lr, cfg.muon_embed_lr, cfg.weight_decay) == \
-        ("muon", 5e-4, 0.95, "spectral_norm", 0.9, 0.999, 1e-8, None, None, 0.0)
+    # dion's lr is Muon's and the schedule's; its scalar_lr defaults to that lr (ours would be 5 x lr)
+    assert (cfg.optimizer, cfg.lr, cfg.muon_lr, cfg.muon_momentum, cfg.muon_adjust_lr, cfg.beta1, cfg.beta2,
+            cfg.adam_eps, cfg.muon_scalar_lr, cfg.muon_embed_lr, cfg.weight_decay) == \
+        ("muon", 5e-4, 5e-4, 0.95, "spectral_norm", 0.9, 0.999, 1e-8, 5e-4, None, 0.0)
 
 
 @pytest.mark.parametrize("edit, named", [

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from conftest import ROOT
 import hellaswag
-from model import from_pretrained
+from hf_files import from_pretrained
 from tokenizer import gpt2_encoding
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
@@ -30,6 +30,20 @@ def save_tiny_gpt2(path, n_positions):
                         initializer_range=0.3)
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
+
+
+def tiny_gpt():
+    """The same small random GPT in every process, built from model.py's own classes (an edited model's too), with
+    save_tiny_gpt2's wide init."""
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50257, block_size=128, padded_vocab_size=None, n_embd=32, n_layer=2, n_head=2))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +77,7 @@ def expected_result(ref_sums, ref_means, examples):
                 correct=correct, total=len(examples))
 
 
+@pytest.mark.gpt2
 @pytest.mark.slow
 @pytest.mark.parametrize("n_positions", [128, 24])  # 24: every row is longer, the context is cut from the left
 def test_scores_match_transformers(tmp_path, n_positions):
@@ -86,7 +101,8 @@ def test_scores_match_transformers(tmp_path, n_positions):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["random GPT, padded vocabulary", "HF fixture"])
+@pytest.mark.parametrize("source", ["random GPT, padded vocabulary",
+                                    pytest.param("HF fixture", marks=pytest.mark.gpt2)])
 def test_batched_equals_one_ending_per_forward(hf_dir, source):
     """Several examples per forward, padded to the longest row, give the losses and counts of one row per forward."""
     from model import GPT, GPTConfig
@@ -119,7 +135,7 @@ def test_batched_equals_one_ending_per_forward(hf_dir, source):
 def test_rendered_once_then_reused(hf_dir, monkeypatch):
     """render_all's tokens stand in for the examples: evaluate never tokenizes them again."""
 
-    model = from_pretrained(hf_dir)
+    model = tiny_gpt()
     examples = hellaswag.load_examples(FIXTURE)
     expected = hellaswag.evaluate(model, examples, device="cpu", limit=6)
     rendered = hellaswag.render_all(examples)
@@ -135,7 +151,7 @@ def test_rendered_once_then_reused(hf_dir, monkeypatch):
 
 def test_autocast_bf16_close_to_fp32(hf_dir):
 
-    model = from_pretrained(hf_dir)
+    model = tiny_gpt()
     rendered = hellaswag.render_all(hellaswag.load_examples(FIXTURE))
     _, means = hellaswag.ending_losses(model, rendered, device="cpu")
     _, means_bf16 = hellaswag.ending_losses(model, rendered, device="cpu", autocast_dtype=torch.bfloat16)
@@ -147,7 +163,7 @@ def test_autocast_bf16_close_to_fp32(hf_dir):
 def test_training_mode_restored_and_small_vocab_refused(hf_dir):
     from model import GPT, GPTConfig
 
-    model = from_pretrained(hf_dir).train()
+    model = tiny_gpt().train()
     hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", limit=2)
     assert model.training
     with pytest.raises(ValueError, match="512"):
@@ -157,7 +173,7 @@ def test_training_mode_restored_and_small_vocab_refused(hf_dir):
 
 def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
     """The training loop passes `stopped` (a collective over its ranks): once it answers True no batch more runs."""
-    model, calls = from_pretrained(hf_dir), []
+    model, calls = tiny_gpt(), []
     asked = lambda: calls.append(1) or len(calls) > 2  # noqa: E731 (stop before the third batch)
     assert hellaswag.evaluate(model, hellaswag.load_examples(FIXTURE), device="cpu", batch_tokens=1,
                               stopped=asked) is None
@@ -168,7 +184,7 @@ def test_a_stop_request_ends_the_evaluation_between_batches(hf_dir):
 def test_two_ranks_give_the_counts_of_one(hf_dir, tmp_path):
 
     # 9 examples, one per forward: rank 0 scores 5 (5 forwards), rank 1 scores 4 (4 forwards + 1 to keep FSDP in step)
-    expected = hellaswag.evaluate(from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=9)
+    expected = hellaswag.evaluate(tiny_gpt(), hellaswag.load_examples(FIXTURE), device="cpu", limit=9)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), hf_dir, str(tmp_path)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -188,7 +204,7 @@ def distributed_worker(hf_dir, out_dir):
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     examples = hellaswag.load_examples(FIXTURE)
-    model = from_pretrained(hf_dir)
+    model = tiny_gpt()
     results = {"plain": hellaswag.evaluate(model, examples, device="cpu", rank=rank, world_size=world_size, limit=9,
                                            batch_tokens=1)}
     for block in model.transformer.h:
@@ -277,6 +293,7 @@ def test_offline_download_says_what_to_do(tmp_path, monkeypatch, hf_dir):
         hellaswag.main(["--model", hf_dir])
 
 
+@pytest.mark.gpt2
 def test_cli(hf_dir, capsys):
 
     expected = hellaswag.evaluate(from_pretrained(hf_dir), hellaswag.load_examples(FIXTURE), device="cpu", limit=7)

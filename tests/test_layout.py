@@ -10,6 +10,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # the house rules: the full suite checks them, the fast tier need not
+
 MODULES = sorted(name[:-3] for name in os.listdir(ROOT) if name.endswith(".py"))
 
 
@@ -121,6 +123,21 @@ LONGEST_FUNCTION = 80  # lines
 def top_level_scripts():
     names = [name for name in os.listdir(ROOT) if name.endswith((".py", ".sbatch"))]
     return sorted(os.path.join(ROOT, name) for name in names)
+
+
+# The two files a researcher edits, each short enough to read in one sitting.
+RESEARCH_FILES = {"model": 400, "train_gpt2": 800}
+
+
+@pytest.mark.parametrize("module", RESEARCH_FILES)
+def test_the_research_files_stay_short(module):
+    with open(os.path.join(ROOT, module + ".py"), encoding="utf-8") as f:
+        lines = len(f.readlines())
+    assert lines <= RESEARCH_FILES[module], f"{module}.py: {lines} lines, at most {RESEARCH_FILES[module]}"
+    # The run's safety and the file formats live beside them (checkpoint.py, run_dir.py, hf_files.py).
+    text = open(os.path.join(ROOT, module + ".py"), encoding="utf-8").read()
+    for machinery in ("fsync", "flock", "renameat2", "safetensors", "dcp.", "huggingface_hub"):
+        assert machinery not in text, f"{module}.py uses {machinery}"
 
 
 def test_the_scripts_stay_within_the_line_budget():

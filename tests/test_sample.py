@@ -22,6 +22,7 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.gpt2
 @pytest.mark.slow
 def test_greedy_matches_transformers_generate(hf_dir):
     from transformers import GPT2LMHeadModel
@@ -87,6 +88,7 @@ def test_small_vocabulary_is_refused():
         sample.sample_texts(model, "Hi", max_new_tokens=2)
 
 
+@pytest.mark.gpt2
 @pytest.mark.slow
 def test_training_run_out_dir_and_checkpoint(tmp_path):
     """A train_gpt2 out_dir (newest checkpoint) and one of its checkpoints sample what transformers samples from the

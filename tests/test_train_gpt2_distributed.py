@@ -1,7 +1,7 @@
 """train_gpt2.py under torchrun (2 gloo ranks) and the faults a run must survive: 1 rank == 2 ranks (FSDP2),
 accumulation, exact resume after kill -9 / SIGTERM / a kill during a checkpoint write, resume on another world size,
 SIGKILL of one rank at seeded points, a SIGTERM checkpointed within a step and never behind an evaluation, NaN stops,
-init from Hugging Face weights and export back, paths that are files or read-only, a locked out_dir, and the
+init from Hugging Face weights and export back, init_from a live run, paths that are files or read-only, and the
 quick-start demo end to end with main.log read the way llm.c's vislog reads it.
 
 Tolerances: the same run resumed on the same world size is bit-identical. Across world sizes (or accumulation
@@ -26,10 +26,11 @@ import torch
 import plot_log
 import sample
 import train_gpt2
+from atomic_io import lock_file
 from conftest import (ROOT, checkpoints, hf_difference, metrics, process_tree, run, save_tiny_hf_gpt2, start_nodes,
                       tiny, torchrun, vislog, wait_for_line, wait_nodes)
 from indexed_dataset import sequential_samples
-from model import MARKER, check_checkpoint, complete_checkpoints, load_model, resolve_checkpoint
+from checkpoint import MARKER, check_checkpoint, complete_checkpoints, load_model, resolve_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -119,6 +120,7 @@ def two_rank_run(data, tmp_path_factory):
     return str(out)
 
 
+@pytest.mark.gpt2
 @pytest.mark.slow
 def test_one_and_two_ranks_give_the_same_run(one_process_run, two_rank_run):
     one = vislog(os.path.join(one_process_run, "main.log"))
@@ -298,15 +300,16 @@ def test_a_schedulers_double_sigterm_still_checkpoints_at_the_stop_step_and_resu
 
 KILL_IN_SECOND_CHECKPOINT_WRITE = """
 import os, signal, sys
+import checkpoint
 import train_gpt2
-real_write = train_gpt2.write_checkpoint
+real_write = checkpoint.write_checkpoint
 def write_then_die(cfg, final, write_shards, *rest):  # killed once the DCP shards are written
     def shards_then_die():
         write_shards()
         if final.endswith("step_00000020"):
             os.kill(os.getpid(), signal.SIGKILL)
     return real_write(cfg, final, shards_then_die, *rest)
-train_gpt2.write_checkpoint = write_then_die
+checkpoint.write_checkpoint = write_then_die
 train_gpt2.main(sys.argv[1:])
 """
 
@@ -358,6 +361,7 @@ def hf_val_loss(hf_dir, data, windows):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
 
 
+@pytest.mark.gpt2
 @pytest.mark.slow
 def test_init_from_hf_starts_at_the_hf_model_and_exports_back(data, hf_tiny, tmp_path):
     from transformers import GPT2LMHeadModel
@@ -495,20 +499,9 @@ def test_max_steps_none_trains_one_epoch_and_more_than_an_epoch_blends_by_tokens
     steps = [int(m.group(1)) for m in re.finditer(r"s:(\d+) trl:", (tmp_path / "epoch" / "main.log").read_text())]
     assert steps == list(range(epoch_steps))
     train_gpt2.main(tiny(data, tmp_path / "longer", max_steps=epoch_steps + 1, **common))
-    assert "more than one epoch" in capsys.readouterr().out
+    assert "more than one epoch" in capsys.readouterr().err
     steps = [int(m.group(1)) for m in re.finditer(r"s:(\d+) trl:", (tmp_path / "longer" / "main.log").read_text())]
     assert steps == list(range(epoch_steps + 1))
-
-
-def test_mfu_peak_table(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names.pop(0))
-    names = ["NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 NVL",
-             "NVIDIA A100-SXM4-80GB", "NVIDIA B200", "NVIDIA GeForce RTX 4090"]
-    peaks = [train_gpt2.peak_flops(torch.device("cuda", 0)) for _ in range(8)]
-    assert peaks == [756e12, 989e12, 989e12, 835e12, 835e12, 312e12, 2250e12, None]
-    assert train_gpt2.peak_flops(torch.device("cpu")) is None
-    keys = [key for key, _ in train_gpt2.PEAK_BF16_TFLOPS]  # a name never shadows a more specific one after it
-    assert not [(a, b) for i, a in enumerate(keys) for b in keys[i + 1:] if a in b]
 
 
 @pytest.mark.slow
@@ -556,6 +549,8 @@ LAUNCHER = """
 import os, signal, sys
 import torch
 import torch.distributed.checkpoint.filesystem as fs
+import checkpoint
+import hf_files
 import train_gpt2
 kind, *args = os.environ.get("FAULT", "none").split(":")
 args = [int(a) for a in args]
@@ -587,17 +582,8 @@ if kind == "sigterm_at_eval":  # every rank signalled at the start of the evalua
             os.kill(os.getpid(), signal.SIGTERM)
         return real_evaluate(self, model, step, stop, *rest)
     train_gpt2.Evaluator.__call__ = evaluate
-if kind == "live_init_from" and rank == 0:  # init_from's first checkpoint deleted by its live run (ckpt_keep=1) as
-    real_load_weights, tried = train_gpt2.load_weights, []  # it writes a newer one, before this rank reads it
-    def load_weights(path, model):
-        if not tried:
-            tried.append(path)
-            os.rename(path, os.path.join(os.path.dirname(path), "step_00000099"))
-        return real_load_weights(path, model)
-    train_gpt2.load_weights = load_weights
 if kind == "fake_hub":  # no network: a hub id is found in this node's own cache ($HF_HOME) once it is downloaded
     import shutil
-    import model
     def snapshot_download(repo_id, **kwargs):  # a download: local rank 0 of the node copies $FAKE_HUB_MODEL
         cache = os.path.join(os.environ["HF_HOME"], "hub", repo_id)
         if os.environ["LOCAL_RANK"] == "0" and not os.path.isdir(cache) and not os.environ.get("FAKE_HUB_OFFLINE"):
@@ -607,15 +593,15 @@ if kind == "fake_hub":  # no network: a hub id is found in this node's own cache
         if not os.path.isdir(cache) or os.environ.get("FAKE_HUB_OFFLINE"):
             raise OSError(f"{repo_id}: not in this node's cache {cache}, and no network")
         return cache
-    model.huggingface_hub.snapshot_download = snapshot_download
+    hf_files.huggingface_hub.snapshot_download = snapshot_download
 if kind == "marker" and rank == 0:  # every file of checkpoint step args[0] written and synced, the marker not yet
-    real_fsync_tree = train_gpt2.fsync_tree
+    real_fsync_tree = checkpoint.fsync_tree
     def fsync_tree(path):
         sizes = real_fsync_tree(path)
         if path.endswith(f"step_{args[0]:08d}.tmp"):
             die()
         return sizes
-    train_gpt2.fsync_tree = fsync_tree
+    checkpoint.fsync_tree = fsync_tree
 train_gpt2.cli()  # as `python train_gpt2.py ARGS`: exit status and error lines
 """
 
@@ -698,12 +684,27 @@ def test_a_stop_during_the_step_0_evaluation_resumes_bit_for_bit_on_two_ranks(da
 
 
 @pytest.mark.slow
-def test_init_from_a_live_run_on_two_ranks_loads_its_newer_checkpoint_on_every_rank(data, tmp_path):
+def test_init_from_a_live_run_is_refused_on_every_rank_and_its_checkpoint_named_directly_loads(data, tmp_path):
+    """The source run's out_dir/.lock held by this process, as the live run holds it: init_from naming the run ends
+    every rank in the same line at once, nothing written; init_from naming its checkpoint loads on both ranks."""
     source = tmp_path / "source"
     assert launch(tmp_path, tiny(data, source, max_steps=4, ckpt_every_steps=2)).returncode == 0
-    result = launch(tmp_path, tiny(data, tmp_path / "out", max_steps=2, init_from=str(source)), "live_init_from")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"init_from: loaded the weights of {source / 'ckpt' / 'step_00000099'}" in result.stdout
+    newest = source / "ckpt" / "step_00000004"
+    lock = lock_file(str(source / ".lock"))
+    try:
+        out = tmp_path / "out"
+        result = launch(tmp_path, tiny(data, out, max_steps=2, init_from=str(source)))
+        assert result.returncode == 1, result.stderr[-3000:]
+        line = (f"train_gpt2.py: error: init_from {source}: that run is still training (pid {os.getpid()} on host "
+                f"{os.uname().nodename}) and may delete its checkpoints while they are read; name one, e.g. {newest}")
+        for rank in (0, 1):
+            assert f"[rank {rank}] {line}\n" in result.stderr, result.stderr[-3000:]
+        assert os.listdir(out / "ckpt") == []
+        result = launch(tmp_path, tiny(data, tmp_path / "named", max_steps=2, init_from=str(newest)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"init_from: loaded the weights of {newest}" in result.stdout
+    finally:
+        os.close(lock)
 
 
 @pytest.mark.slow
@@ -786,61 +787,6 @@ def test_os_errors_are_one_line_naming_the_path(data, tmp_path, monkeypatch, cap
         sample.main(["--model", str(tmp_path / "nowhere"), "--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda: torch sees no CUDA GPU here; use --device cpu" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_second_run_on_a_locked_out_dir_fails_naming_the_holder(data, tmp_path):
-    out = tmp_path / "busy"
-    out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", f"import train_gpt2, time; train_gpt2.lock_out_dir({str(out)!r}); "
-                               f"print('locked', flush=True); time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(ValueError, match=rf"another run is training in this out_dir .*held by pid {holder.pid} "
-                                             rf"on host"):
-            train_gpt2.main(tiny(data, out, max_steps=1, lr_warmup_steps=1))
-    finally:
-        holder.send_signal(signal.SIGKILL)  # the OS drops the lock of a killed holder: no stale lock
-        holder.wait()
-    assert train_gpt2.main(tiny(data, out, max_steps=1, lr_warmup_steps=1)) == 0
-
-
-SLOW_CHECKPOINT = """
-import time
-import train_gpt2
-real_save_checkpoint = train_gpt2.save_checkpoint
-def save_checkpoint(*args):  # a checkpoint that takes a while to write, as a large model's does
-    time.sleep(3)
-    return real_save_checkpoint(*args)
-train_gpt2.save_checkpoint = save_checkpoint
-train_gpt2.cli()
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("interrupts", [2, 3])
-def test_a_second_ctrl_c_says_the_checkpoint_is_being_written_and_a_third_aborts_without_a_traceback(
-        data, tmp_path, interrupts):
-    out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_CHECKPOINT, *tiny(data, out, ckpt_every_steps=0)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_line(out / "main.log", r"^s:5 trl", proc)
-        for _ in range(interrupts):  # a person's presses, apart (signals sent at once would merge into one)
-            proc.send_signal(signal.SIGINT)
-            time.sleep(0.5)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    assert "stopping: the checkpoint is being written; Ctrl-C again (or kill -9) aborts without it" in stderr
-    if interrupts == 2:
-        assert proc.returncode == 128 + signal.SIGINT and "stopped by a signal at step" in stdout
-        assert len(checkpoints(out)) == 1
-    else:
-        assert proc.returncode == -signal.SIGINT and checkpoints(out) == []
-        assert "aborted without a checkpoint; rerun the same command to resume from the last one" in stderr
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 slurm.conf (one node of 2 CPUs, its own ports, state and spool under a temporary folder). A requeue, a time limit,
 scancel and a bad key each end the way docs/slurm.md says, and every resumed run's train losses equal an
 uninterrupted run's, step for step. The scenarios' jobs (1 CPU each) run at the same time, driven from one module
-fixture; each test waits for its own. Needs root and slurm-wlm + munge (.ci/run installs them); skipped otherwise."""
+fixture; each test waits for its own. Needs root and slurm-wlm + munge (.ci/run installs them); skipped otherwise.
+Without a Slurm (the fast tests): the script is valid bash, asks Slurm for what its endings need, and, run by bash with
+stand-ins for srun, scontrol and scancel, starts the torchrun docs/slurm.md describes and ends each way it says."""
 import concurrent.futures
 import json
 import os
@@ -18,7 +20,6 @@ import pytest
 
 from conftest import ROOT, metrics, tiny, write_byte_dataset
 
-pytestmark = pytest.mark.slow
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
@@ -301,6 +302,7 @@ def scenarios(slurm, tmp_path_factory):
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+@pytest.mark.slow
 def test_requeue_mid_run_resumes_and_completes_with_the_uninterrupted_losses(scenarios):
     seen = scenarios["requeue"].result()
     assert seen["ended"]["JobState"] == "COMPLETED" and seen["ended"]["Restarts"] == "1", seen["ended"]
@@ -314,6 +316,7 @@ def test_requeue_mid_run_resumes_and_completes_with_the_uninterrupted_losses(sce
     assert seen["metrics_after"] == seen["metrics_before"]
 
 
+@pytest.mark.slow
 def test_a_time_limit_shorter_than_the_run_requeues_it_until_complete(scenarios):
     seen = scenarios["time_limit"].result()
     ended, output = seen["ended"], seen["output"]
@@ -324,6 +327,7 @@ def test_a_time_limit_shorter_than_the_run_requeues_it_until_complete(scenarios)
     assert seen["losses"] == scenarios["reference_long"].result()
 
 
+@pytest.mark.slow
 def test_scancel_checkpoints_ends_the_job_for_good_and_a_new_sbatch_resumes(scenarios):
     seen = scenarios["scancel"].result()
     for job in (seen["ended"], seen["later"]):
@@ -335,6 +339,7 @@ def test_scancel_checkpoints_ends_the_job_for_good_and_a_new_sbatch_resumes(scen
     assert seen["losses"] == scenarios["reference_short"]
 
 
+@pytest.mark.slow
 def test_a_bad_key_fails_the_job_once_with_the_error_in_its_output(scenarios):
     seen = scenarios["bad_key"].result()
     for job in (seen["ended"], seen["later"]):
@@ -354,3 +359,80 @@ def test_the_batch_script_is_valid_bash_and_asks_slurm_for_what_its_endings_need
         options = [line.split(None, 1)[1].strip() for line in f if line.startswith("#SBATCH")]
     assert "--requeue" in options and "--open-mode=append" in options
     assert any(option.startswith("--signal=B:USR1@") for option in options)
+
+
+# Stand-ins for Slurm's commands: srun records its arguments (one a line) and the shutdown timeout it was given, then
+# acts out FAKE_RUN; scontrol answers `show hostnames` and records the rest, as scancel does.
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$LOG/srun"
+echo "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > "$LOG/shutdown_timeout"
+case "$FAKE_RUN" in
+  finish) exit 0 ;;
+  fail) exit 1 ;;
+  warning) kill -USR1 "$PPID"; sleep 0.3; exit 1 ;;  # the batch shell's time-limit warning; torchrun exits 1
+  sigterm) kill -TERM "$PPID"; sleep 0.3; exit 1 ;;  # preemption, scontrol requeue or scancel: the shell too
+esac
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [ "$1 $2" = "show hostnames" ]; then echo node7; echo node8; else echo "scontrol $*" >> "$LOG/calls"; fi
+"""
+FAKE_SCANCEL = """#!/bin/bash
+echo "scancel $*" >> "$LOG/calls"
+"""
+
+
+def run_with_stand_ins(tmp_path, fake_run, args=(), **env):
+    """train_gpt2.sbatch run by bash as job 1234 on two nodes (node[7-8]) of 8 GPUs and 64 CPUs, Slurm's commands
+    replaced; (exit status, output, srun's arguments, the other Slurm calls)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir(exist_ok=True)
+    shutil.rmtree(log, ignore_errors=True)
+    log.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    job = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="node[7-8]", SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="8",
+               SLURM_CPUS_PER_TASK="64", LOG=str(log), FAKE_RUN=fake_run)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NPROC_PER_NODE", "MASTER_PORT"))}
+    full_env = dict(base, **job, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    full_env.update(env)
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    result = subprocess.run(["bash", os.path.join(ROOT, "train_gpt2.sbatch"), *args], cwd=ROOT, env=full_env,
+                            capture_output=True, text=True, timeout=60)
+    srun = (log / "srun").read_text().splitlines() if (log / "srun").exists() else None
+    calls = (log / "calls").read_text().splitlines() if (log / "calls").exists() else []
+    return result.returncode, result.stdout + result.stderr, srun, calls
+
+
+def test_the_batch_script_starts_one_torchrun_per_node_as_the_docs_say(tmp_path):
+    """docs/slurm.md: srun starts one torchrun per node of NPROC_PER_NODE processes (default: the job's GPUs), the
+    nodes meet in a c10d rendezvous on the first node at MASTER_PORT (default 20000 + job id mod 20000), the
+    arguments after the script go to train_gpt2.py unchanged, and torchrun waits 600 s for its workers' checkpoint."""
+    args = ["configs/gpt2_124m.py", "--local_batch_size=32", "--out_dir=out dir"]
+    status, output, srun, calls = run_with_stand_ins(tmp_path, "finish", args)
+    assert status == 0, output
+    assert srun == ["--ntasks-per-node=1", "--cpus-per-task=64", "torchrun", "--nnodes=2", "--nproc_per_node=8",
+                    "--rdzv_backend=c10d", "--rdzv_endpoint=node7:21234", "--rdzv_id=1234", "train_gpt2.py", *args]
+    assert (tmp_path / "log" / "shutdown_timeout").read_text() == "600\n" and calls == []
+    assert "train_gpt2.sbatch: job 1234 (restart 0): 2 node(s) x 8 process(es)" in output
+    assert output.rstrip().endswith("train_gpt2.sbatch: run ended with status 0")
+    _, _, srun, _ = run_with_stand_ins(tmp_path, "finish", args, NPROC_PER_NODE="4", MASTER_PORT="29500",
+                                       TORCH_ELASTIC_SHUTDOWN_TIMEOUT="900")
+    assert "--nproc_per_node=4" in srun and "--rdzv_endpoint=node7:29500" in srun
+    assert (tmp_path / "log" / "shutdown_timeout").read_text() == "900\n"
+    status, output, srun, _ = run_with_stand_ins(tmp_path, "finish", args, SLURM_GPUS_ON_NODE=None)
+    assert (status, srun) == (1, None)
+    assert "train_gpt2.sbatch: error: the job has no GPUs: ask for them (--gpus-per-node) or set NPROC_PER_NODE" \
+        in output
+
+
+@pytest.mark.parametrize("fake_run, status, calls, said", [
+    ("fail", 1, [], "run ended with status 1"),  # an error: never requeued
+    ("sigterm", 1, [], "SIGTERM: waiting for the run to checkpoint"),  # Slurm requeues or ends it, not the script
+    ("warning", 1, ["scancel --signal=TERM 1234", "scontrol requeue 1234"],
+     "requeueing: the next start resumes from the checkpoint"),
+])
+def test_the_batch_script_requeues_its_job_only_after_the_time_limit_warning(tmp_path, fake_run, status, calls, said):
+    result, output, _, made = run_with_stand_ins(tmp_path, fake_run, ["configs/gpt2_124m.py"])
+    assert (result, made) == (status, calls), output
+    assert f"train_gpt2.sbatch: {said}" in output
