@@ -211,19 +211,30 @@ def test_a_full_disk_during_a_background_write_is_one_line_and_leaves_the_previo
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="needs root to mount")
-def test_a_really_full_disk_during_a_checkpoint_says_the_disk_is_full(data, tmp_path):
+@pytest.mark.parametrize("size, failed, kept", [("300k", 10, []), ("1100k", 20, ["step_00000010"])])
+def test_a_really_full_disk_during_a_background_checkpoint_says_the_disk_is_full(data, tmp_path, size, failed, kept):
+    """The disk fills during the first checkpoint, or during the second with the first kept: either way one line
+    naming the checkpoint and the full disk (the error is read before the failed write's files are removed, which
+    frees the space), and the run moved to a larger disk resumes to the uninterrupted losses."""
     out = tmp_path / "out"
     out.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(out)], check=True)
+    args = tiny(data, out, index_mapping_dir=str(tmp_path / "cache"), max_steps=30)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(out)], check=True)
     try:
-        result = script(*tiny(data, out, index_mapping_dir=str(tmp_path / "cache")))
+        result = script(*args)
         last = result.stderr.splitlines()[-1]
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-        assert "step_00000010 failed" in last and "No space left on device" in last, last
+        assert f"step_{failed:08d} failed" in last and "No space left on device" in last, last
         assert last.endswith("the disk is full: free some space or choose another out_dir")
-        assert os.listdir(out / "ckpt") == []
+        assert sorted(os.listdir(out / "ckpt")) == kept
+        shutil.copytree(out, tmp_path / "larger")
     finally:
         subprocess.run(["umount", str(out)], check=True)
+    moved = tiny(data, tmp_path / "larger", index_mapping_dir=str(tmp_path / "cache"), max_steps=30)
+    assert script(*moved).returncode == 0
+    whole = tiny(data, tmp_path / "whole", index_mapping_dir=str(tmp_path / "cache"), max_steps=30)
+    assert script(*whole).returncode == 0
+    assert metrics(tmp_path / "larger", "val_loss")[30] == metrics(tmp_path / "whole", "val_loss")[30]
 
 
 # ----------------------------------------------------------------------------- a run's damaged checkpoints

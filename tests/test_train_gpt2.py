@@ -412,7 +412,7 @@ def test_a_blends_weights_are_said_at_every_start(data, tmp_path, capsys):
     for out in ("cold", "warm"):  # the second start finds the blend in the index cache
         train_gpt2.main(tiny(data, tmp_path / out, data_paths=blend, max_steps=2, val_tokens=0,
                              index_mapping_dir=str(tmp_path / "cache")))
-        assert f"train blend: {data} 0.2500, {other} 0.7500" in capsys.readouterr().out
+        assert f"train blend: {data} 0.2500, {other} 0.7500" in capsys.readouterr().err
 
 
 # The common research edits, each made in one function, checked for what could go silently wrong
