@@ -430,3 +430,26 @@ def test_unreadable_files_are_named(tmp_path, tiny_hf_dir):
     with pytest.raises(ValueError, match=r"broken/model\.safetensors\.index\.json: not a readable weights file "
                                          r"\(KeyError: 'weight_map'\)"):
         from_pretrained(str(path))
+
+
+def test_without_transformers_the_export_check_holds_the_tensors_to_gpt2s_and_says_the_function_was_not_checked(
+        monkeypatch):
+    """transformers is no requirement of a run: without it the check before step 1 compares the tensors' names and
+    shapes with GPT-2's (written out from the config, not from model.py's classes) and says what it did not check."""
+    real_find_spec = hf_files.importlib.util.find_spec
+    monkeypatch.setattr(hf_files.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "transformers" else real_find_spec(name, *args))
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
+    exportable, line = hf_files.export_check(config)
+    assert exportable and line == ("hf/: the tensors are GPT-2's by name and shape; whether transformers computes what "
+                                   "the model does was not checked (transformers is not installed)")
+    monkeypatch.setattr(hf_files, "GPT", type("Wider", (GPT,), {}))  # an edit that adds a tensor GPT-2 lacks
+    original_init = GPT.__init__
+
+    def with_a_gain(self, config):
+        original_init(self, config)
+        self.gain = torch.nn.Parameter(torch.ones(config.n_embd))
+
+    monkeypatch.setattr(hf_files.GPT, "__init__", with_a_gain)
+    exportable, line = hf_files.export_check(config)
+    assert not exportable and line.startswith("hf/ will not be written: the model is not GPT-2's architecture (gain,")
