@@ -81,6 +81,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
+        # Four times wider inside, as GPT-2; the activation is config.activation's entry.
         return self.c_proj(self.activation(self.c_fc(x)))
 
 
@@ -94,6 +95,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x):
+        # Pre-LayerNorm residual block, as GPT-2: each branch reads a normalized copy of the stream
+        # and adds its output back.
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -200,6 +203,8 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
+        # The token embedding is also the output head (tied, as in GPT-2): its rows are the
+        # vocabulary's, padded to a multiple that makes the head's matmul faster.
         rows = config.padded_vocab_size or config.vocab_size
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(rows, config.n_embd),
@@ -219,7 +224,10 @@ class GPT(nn.Module):
         """GPT-2's init in place (also after meta and to_empty()); padded rows are zero."""
         # Tied here rather than in __init__, because to_empty() makes two of the tied parameter.
         self.lm_head.weight = self.transformer.wte.weight
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)  # GPT-2's for residual projections
+        # GPT-2's init: N(0, 0.02), and the projections into the residual stream (two per block)
+        # scaled by 1/sqrt(2 n_layer), so that the stream's variance does not grow with depth.
+        # A weight added by an edit falls under the same rules by its name and shape.
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         # named_parameters() lists the tied weight once, as transformer.wte.weight
         for name, p in named_parameters or self.named_parameters():
             if name == "transformer.wte.weight":
@@ -255,6 +263,7 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's block_size "
                              f"{self.config.block_size}")
+        # Token and position embeddings, then the blocks, then the final LayerNorm.
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
         checkpointing = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.transformer.h:

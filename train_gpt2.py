@@ -76,12 +76,12 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     optimizer: str = "adamw"  # or "muon": the blocks' matrices, AdamW the rest (docs/training.md)
-    # Muon's own rates, chosen by a sweep on the demo (docs/benchmarks.md#muon); the schedule scales
+    # Muon's own rates, chosen by a sweep on the demo (docs/benchmarks.md); the schedule scales
     # each as it scales lr, so min_lr / lr is their floor too.
     muon_lr: float = 0.01  # for the blocks' matrices
     muon_momentum: float = 0.95  # dion's mu
     muon_adjust_lr: str = "spectral_norm"  # lr x sqrt(fan_out/fan_in); "rms_norm": 0.2 sqrt(max)
-    muon_scalar_lr: float | None = None  # AdamW's for biases, LayerNorms; None: SCALAR_LR_FACTOR x lr
+    muon_scalar_lr: float | None = None  # AdamW's for biases, LayerNorms; None: 5 x lr (SCALAR_LR_FACTOR)
     muon_embed_lr: float | None = None  # for wte (the tied head) and wpe; None: muon_scalar_lr
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     # evaluation at step 0, every val_every_steps and after the last step
@@ -113,6 +113,9 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, slower
     dist_timeout_s: int = 900  # a collective that waits longer than this fails instead of hanging
 
+
+# -------------------------------------------------------------------------------------------------
+# the config's checks: a value outside its range stops the run before anything is built
 
 def check_config(cfg, world_size):
     """Refuse, in one line naming the key, any value outside the range where it makes sense."""
@@ -182,6 +185,7 @@ def build_model(model_config, init, cfg, device):
     # Per block, inside FSDP's and compile's wrapping.
     model.activation_checkpointing = cfg.activation_checkpointing
     model.compile_loss = cfg.compile
+    # bf16 compute over fp32 weights; the gradients are reduced across ranks in fp32.
     mp_policy = MixedPrecisionPolicy()
     if cfg.dtype == "bfloat16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -200,6 +204,8 @@ def build_model(model_config, init, cfg, device):
     materialize(model, device)
     if mesh is None:  # to_empty() gave a plain model two embedding tensors: tie them again
         model.lm_head.weight = model.transformer.wte.weight
+    # Each rank fills only its own rows: GPT-2's init drawn as one process would draw it, a Hugging
+    # Face file, or another run's checkpoint.
     kind, source = init
     if kind == "seed":
         init_sharded(model, source)
@@ -224,6 +230,7 @@ def build_optimizer(model, cfg, device):
     and embeddings) only, as the GPT-2 recipes do; or Muon and AdamW, grouped as dion's Muon is.
     Each group has a name; lr_at()'s rate is multiplied by a group's lr_scale, so that a group of
     its own (say the embedding at 10x) is one more entry here."""
+    # Weight decay on the matrices and embeddings, none on biases and LayerNorm gains.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [dict(name="decay", params=decay, weight_decay=cfg.weight_decay, lr_scale=1.0),
