@@ -602,16 +602,12 @@ def test_another_activation_trains_resumes_and_exports_under_its_name(data, tmp_
 
 SWIGLU = [("""        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.activation = ACTIVATIONS[config.activation]
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-
-    def forward(self, x):
-        return self.c_proj(self.activation(self.c_fc(x)))""",
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)""",
            """        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
         self.c_gate = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
-
-    def forward(self, x):
-        return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))""")]
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)"""),
+          ("""        return self.c_proj(self.activation(self.c_fc(x)))""",
+           """        return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))""")]
 QK_NORM = [("""        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x):
