@@ -422,8 +422,7 @@ def starting_point(cfg, resume_path):
         return model_config, ("resume", resume_path)
     if cfg.init_from is None:
         return GPTConfig(**config_architecture(cfg)), ("seed", cfg.seed)
-    if os.path.isdir(os.path.join(cfg.init_from, "ckpt")) or \
-            os.path.isfile(os.path.join(cfg.init_from, "train_state.json")):  # a run's weights
+    if is_run_or_checkpoint(cfg.init_from):  # a run's weights
         path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
         if cfg.init_from_partial:
             return GPTConfig(**config_architecture(cfg)), ("checkpoint", path)

@@ -185,7 +185,7 @@ def lost_peer(error):
         seen.add(id(e))
         if isinstance(e, dist.DistError) or \
                 (isinstance(e, RuntimeError) and any(words in str(e) for words in GONE)):
-            line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            line = first_line(e)
             return re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0]  # gloo's source location off
         causes += [e.__cause__, e.__context__]
         failures = getattr(e, "failures", None) or {}
