@@ -277,9 +277,7 @@ def lr_at(step, cfg):
 def build_data(cfg, log):
     """(train_data, val_data): Megatron's GPTDataset samples of the train split (None under
     eval_only) and the validation windows (None without validation)."""
-    train_data = None
-    if not cfg.eval_only:
-        train_data = build_train_data(cfg, log)
+    train_data = None if cfg.eval_only else build_train_data(cfg, log)
     if not cfg.val_tokens:
         return train_data, None
     if cfg.val_data_paths is not None:
@@ -304,9 +302,7 @@ def build_data(cfg, log):
 
 def build_train_data(cfg, log):
     """The train split's samples for cfg.max_steps; None takes one epoch and sets cfg.max_steps."""
-    num_samples = None
-    if cfg.max_steps is not None:
-        num_samples = cfg.max_steps * cfg.global_batch_size
+    num_samples = None if cfg.max_steps is None else cfg.max_steps * cfg.global_batch_size
     train_data = train_samples(cfg.data_paths, seq_length=cfg.seq_length, split=cfg.split,
                                seed=cfg.seed, num_samples=num_samples,
                                cache_dir=cfg.index_mapping_dir,
@@ -368,28 +364,23 @@ class Evaluator:
         self.cfg, self.val_data, self.vocab_size = cfg, val_data, vocab_size
         self.device, self.log = device, log
         # bf16 on one device is autocast; sharded, FSDP's mixed precision already computes in bf16.
-        self.autocast_dtype = None
-        if cfg.dtype == "bfloat16" and not dist.is_initialized():
-            self.autocast_dtype = torch.bfloat16
+        sharded = dist.is_initialized()
+        self.autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not sharded else None
         self.autocast = torch.autocast(device.type, dtype=self.autocast_dtype,
                                        enabled=self.autocast_dtype is not None)
-        self.sample_tokens = 0
+        self.sample_tokens = cfg.sample_tokens
         if cfg.sample_tokens and vocab_size != VOCAB_SIZE:
             log(f"sample_tokens ignored: the vocabulary ({vocab_size} tokens) is not GPT-2's")
-        elif cfg.sample_tokens:
-            self.sample_tokens = cfg.sample_tokens
+            self.sample_tokens = 0
         self.hellaswag = None
         if cfg.hellaswag is not None:
             if vocab_size != VOCAB_SIZE:
                 raise ValueError("config: hellaswag needs the GPT-2 vocabulary; the model has "
                                  f"{vocab_size} tokens")
-            path = cfg.hellaswag
-            if path == "download":
-                path = None
+            path = None if cfg.hellaswag == "download" else cfg.hellaswag
             # Read, parsed and tokenized once by rank 0 and sent to every rank: other nodes need
             # neither the file nor the internet, and a bad file fails every rank alike.
-            self.hellaswag = on_rank0(
-                lambda: hellaswag.render_all(hellaswag.load_examples(path)))
+            self.hellaswag = on_rank0(lambda: hellaswag.render_all(hellaswag.load_examples(path)))
 
     def __call__(self, model, step, stop):
         """Whether the evaluation ran to its end (False: a stop was requested during it). The
@@ -538,9 +529,7 @@ class StepLog:
             raise FloatingPointError(
                 f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped "
                 f"without saving this state. {last_good_checkpoint(self.cfg.out_dir)}")
-        dt = end - start
-        if self.cuda:
-            dt = start.elapsed_time(end) / 1000
+        dt = start.elapsed_time(end) / 1000 if self.cuda else end - start
         tokens_per_s = self.cfg.global_batch_size * self.cfg.seq_length / dt
         mfu, mfu_text = None, "n/a"
         if self.mfu_scale:
@@ -726,19 +715,14 @@ def train(cfg, world_size, device, log, stop, checkpoints):
 def main(argv=None):
     """Train; the exit status: 0 finished, 128 + signum stopped by SIGTERM/SIGINT after its
     checkpoint."""
-    if argv is None:
-        argv = sys.argv[1:]
-    return run(load_config(argv))
+    return run(load_config(sys.argv[1:] if argv is None else argv))
 
 
 def run(cfg, restore_signals=True):
     """Train; with `restore_signals` False (the command line), SIGTERM and SIGINT stay absorbed
     until the process exits, so that a signal during the report of an error cannot cut it short."""
     _, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
-    log_dir = cfg.out_dir
-    if cfg.eval_only:
-        log_dir = os.path.join(cfg.out_dir, "eval")
-    log = RunLog(log_dir)
+    log = RunLog(os.path.join(cfg.out_dir, "eval") if cfg.eval_only else cfg.out_dir)
     stop = StopRequest()
     checkpoints = Checkpoints(cfg, log)
     try:
@@ -772,20 +756,17 @@ def cli(argv=None):
         if rank == 0:  # every rank reads the same config: rank 0 alone says what is wrong
             sys.exit(f"train_gpt2.py: error: {e}")
         sys.exit(1)
-    prefix = ""
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        prefix = f"[rank {rank}] "
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
     try:
         sys.exit(run(cfg, restore_signals=False))
     except Exception as e:
         text = error_line(e)
         if text is None:
             raise
-        if prefix:  # under torchrun, one write of the whole line: the ranks' lines never run together
-            sys.stderr.write(f"{prefix}train_gpt2.py: error: {text}\n")
-            sys.stderr.flush()
-            sys.exit(1)
-        sys.exit(f"train_gpt2.py: error: {text}")
+        # One write of the whole line, so that under torchrun the ranks' lines never run together.
+        sys.stderr.write(f"{prefix}train_gpt2.py: error: {text}\n")
+        sys.stderr.flush()
+        sys.exit(1)
 
 
 if __name__ == "__main__":
