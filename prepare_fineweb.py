@@ -398,8 +398,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
 
 
 def main(argv=None):
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu")
     parser.add_argument("--sample", choices=SAMPLES, default="10BT")
     parser.add_argument("--data-dir", default="fineweb_edu", help="hub cache for the download")
