@@ -85,8 +85,7 @@ class IndexedDataset:
         bin_size, idx_size = os.fstat(self.bin_file.fileno()).st_size, os.path.getsize(idx_path)
         self.sizes = {".bin": bin_size, ".idx": idx_size}
         if idx_size < HEADER.size:
-            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte "
-                             "header")
+            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte header")
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         magic, version, code, count, num_boundaries = HEADER.unpack(self._index[:HEADER.size])
         if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:
@@ -386,53 +385,47 @@ def blending_indices(weights, size=None):
     return dataset_index.reshape(-1)[:size], dataset_sample_index.reshape(-1)[:size]
 
 
-def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19):
+def greedy(weights, quotas, first_steps, draws, picks, samples, block=1 << 19, flush=64):
     """Run len(picks[0]) greedy steps from each row of `draws` (row r from step first_steps[r]) into
-    `picks` and `samples`; return the draws after. `block` values at a time bound temporaries."""
-    rows = max(8, block // len(weights))
-    end_draws = np.empty_like(draws)
+    `picks` and `samples`; return the draws after. The rows go in blocks of `block` values, which
+    bound the temporaries, each held as (datasets, rows): each step reduces over axis 0. Picks go to
+    a scratch row, copied out every `flush` steps: a column write costs more than a step."""
+    num_datasets, steps = len(weights), picks.shape[1]
+    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
+    rows, end_draws = max(8, block // num_datasets), np.empty_like(draws)
     for first in range(0, len(draws), rows):
         part = slice(first, first + rows)
-        end_draws[part] = greedy_rows(weights, quotas, first_steps[part], draws[part], picks[part],
-                                      samples[part])
+        counts = np.ascontiguousarray(draws[part].T, dtype=np.float64)
+        flat_counts, n = counts.reshape(-1), counts.shape[1]
+        # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
+        flat_end = num_datasets * n + np.arange(n)
+        error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
+        ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
+        row_steps, x, next_sample = first_steps[part].astype(np.float64), np.empty(n), np.empty(n)
+        tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
+        for t in range(steps):
+            np.add(row_steps, t, out=x)
+            if t == 0:
+                np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
+            np.multiply(weights[:, None], x, out=error)
+            np.subtract(error, counts, out=error)
+            if quotas is not None:
+                np.putmask(error, counts >= quotas[:, None], -np.inf)
+            # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
+            np.equal(error, error.max(axis=0), out=is_max)
+            np.multiply(is_max, first_on_ties, out=ties)
+            top = ties.max(axis=0, out=tie_values[t % flush])
+            np.multiply(top, np.int64(n), out=where)
+            np.subtract(flat_end, where, out=where)
+            sample = np.take(flat_counts, where, out=drawn[t % flush])
+            np.add(sample, 1.0, out=next_sample)
+            flat_counts[where] = next_sample
+            if t % flush == flush - 1 or t == steps - 1:
+                done = t % flush + 1
+                picks[part, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
+                samples[part, t + 1 - done:t + 1] = drawn[:done].T
+        end_draws[part] = counts.T
     return end_draws
-
-
-def greedy_rows(weights, quotas, first_steps, draws, picks, samples, flush=64):
-    """greedy() on one block of rows, held as (datasets, rows): each step reduces over axis 0. Picks
-    go to a scratch row, copied out every `flush` steps: a column write costs more than a step."""
-    num_datasets, steps, n = len(weights), picks.shape[1], len(draws)
-    first_on_ties = (num_datasets - np.arange(num_datasets, dtype=np.int16))[:, None]
-    counts = np.ascontiguousarray(draws.T, dtype=np.float64)
-    flat_counts = counts.reshape(-1)
-    # Row r's pick d is flat_counts[d * n + r], where d = num_datasets - its first_on_ties value.
-    flat_end = num_datasets * n + np.arange(n)
-    error, is_max = np.empty(counts.shape), np.empty(counts.shape, bool)
-    ties, where = np.empty(counts.shape, np.int16), np.empty(n, np.int64)
-    row_steps, x, next_sample = first_steps.astype(np.float64), np.empty(n), np.empty(n)
-    tie_values, drawn = np.empty((flush, n), np.int16), np.empty((flush, n))
-    for t in range(steps):
-        np.add(row_steps, t, out=x)
-        if t == 0:
-            np.maximum(x, 1.0, out=x)  # step 0 weighs as step 1
-        np.multiply(weights[:, None], x, out=error)
-        np.subtract(error, counts, out=error)
-        if quotas is not None:
-            np.putmask(error, counts >= quotas[:, None], -np.inf)
-        # The argmax over datasets, first on ties: np.argmax along axis 0 is several times slower.
-        np.equal(error, error.max(axis=0), out=is_max)
-        np.multiply(is_max, first_on_ties, out=ties)
-        top = ties.max(axis=0, out=tie_values[t % flush])
-        np.multiply(top, np.int64(n), out=where)
-        np.subtract(flat_end, where, out=where)
-        sample = np.take(flat_counts, where, out=drawn[t % flush])
-        np.add(sample, 1.0, out=next_sample)
-        flat_counts[where] = next_sample
-        if t % flush == flush - 1 or t == steps - 1:
-            done = t % flush + 1
-            picks[:, t + 1 - done:t + 1] = num_datasets - tie_values[:done].T
-            samples[:, t + 1 - done:t + 1] = drawn[:done].T
-    return counts.T
 
 
 # The index cache
@@ -664,6 +657,7 @@ def train_samples(paths, *, seq_length, split, seed, num_samples, cache_dir=None
         else:
             log("train blend: " + ", ".join(f"{p} {share:.4f}" for p, share in zip(prefixes, shares)))
     return train
+
 
 def build_in_turns(build):
     """build() on every rank: first on each node's leader, which writes the index cache (leaders on

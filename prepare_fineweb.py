@@ -86,12 +86,11 @@ def find_inputs(pattern):
     for path in sorted(glob.glob(pattern, recursive=True)):
         name = os.path.basename(path)
         if os.path.isfile(path) and not (OUTPUT_FILE.fullmatch(name) or name == "summary.json"):
+            if not path.endswith(INPUT_SUFFIXES):  # a stray file stops the run before any work
+                raise ValueError(f"{path}: unsupported input type, not one of {INPUT_SUFFIXES}")
             files.append(path)
     if not files:
         raise FileNotFoundError(f"--input {pattern!r} matches no file")
-    for path in files:  # a stray file in the glob stops the run before any work, not after hours
-        if not path.endswith(INPUT_SUFFIXES):
-            raise ValueError(f"{path}: unsupported input type, not one of {INPUT_SUFFIXES}")
     return files
 
 
@@ -117,7 +116,8 @@ def start_worker(lock_fd):
     os.close(lock_fd)
 
 
-def open_parquet(path, text_key):
+def parquet_tasks(path, text_key, chunk_bytes):
+    """Yield (task, byte position reached) for the row groups of a parquet file."""
     with reraised(path, "not a readable parquet file", pa.ArrowException, OSError):
         parquet = pq.ParquetFile(path, pre_buffer=False)  # or iter_batches reads the file ahead
     if text_key not in parquet.schema_arrow.names:
@@ -126,12 +126,6 @@ def open_parquet(path, text_key):
     kind = parquet.schema_arrow.field(text_key).type
     if kind not in ("string", "large_string", "binary", "large_binary"):
         raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text")
-    return parquet
-
-
-def parquet_tasks(path, text_key, chunk_bytes):
-    """Yield (task, byte position reached) for the row groups of a parquet file."""
-    parquet = open_parquet(path, text_key)
     metadata, size = parquet.metadata, os.path.getsize(path)
     leaf = [column.path for column in metadata.schema].index(text_key)
     rows, total_rows = 0, max(metadata.num_rows, 1)  # the share of rows read is the progress
@@ -404,8 +398,7 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
 
 
 def main(argv=None):
-    formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu")
     parser.add_argument("--sample", choices=SAMPLES, default="10BT")
     parser.add_argument("--data-dir", default="fineweb_edu", help="hub cache for the download")
@@ -425,10 +418,7 @@ def main(argv=None):
     try:
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ValueError(f"{output_dir}: a file, not a directory; choose another --output-dir")
-        if args.input:
-            inputs = find_inputs(args.input)
-        else:
-            inputs = download(args.dataset, args.sample, args.data_dir)
+        inputs = find_inputs(args.input) if args.input else download(args.dataset, args.sample, args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers,
                 chunk_bytes=args.chunk_bytes, val_tokens=args.val_tokens)
     except (ValueError, OSError) as e:  # ours name their file, WriteError's too ("cannot write F")
