@@ -673,7 +673,8 @@ def build_in_turns(build):
             except Exception as raised:
                 error = raised  # the others raise the same kind of error, in one line
                 kind = OSError if isinstance(error, OSError) else ValueError
-                failure = kind, str(error).splitlines()[0]
+                # Its first line, or its kind where it has no text (a bare assert).
+                failure = kind, (str(error).splitlines() or [type(error).__name__])[0]
         dist.all_gather_object(failures, failure)
         if error is not None:
             raise error

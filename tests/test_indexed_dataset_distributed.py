@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     import torch.distributed as dist
     sys.path.insert(0, sys.argv[1])
-    from indexed_dataset import PretrainingSampler, build_gpt_datasets, resolve_blend
+    from indexed_dataset import PretrainingSampler, build_gpt_datasets, build_in_turns, resolve_blend
 
     data, cache = sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -44,6 +44,14 @@ SCRIPT = textwrap.dedent("""
             raise AssertionError("the build must fail")
         except kind as error:
             assert names in str(error) and len(str(error).splitlines()) == 1, (rank, error)
+    # an error without a text (a bare assert in a build) reaches the other rank too, by its kind
+    def fails():
+        raise AssertionError()
+    try:
+        build_in_turns(fails)
+        raise RuntimeError("the build must fail")
+    except (AssertionError, ValueError) as error:
+        assert rank == 0 or str(error) == "AssertionError (on rank 0)", (rank, error)
 
     datasets = build_gpt_datasets(data, seq_length=16, split="90,8,2", sizes=(3000, 100, None), cache_dir=cache)
     train = datasets[0]
