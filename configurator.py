@@ -396,14 +396,10 @@ def translate(key, value, written, items, fields):
         if value == seq_length:  # a new model here has seq_length positions
             return SAME
         return f"the model's context here is dataset.seq_length, {seq_length}"
-    if key in AUTOMODEL_VALUES:
-        for accepted in AUTOMODEL_VALUES[key]:
-            if value == accepted and type(value) is type(accepted):
-                return SAME
-            if isinstance(value, str) and isinstance(accepted, str) and \
-                    value.endswith("." + accepted):
-                return SAME
-        return None
+    for accepted in AUTOMODEL_VALUES.get(key, ()):
+        dotted = isinstance(value, str) and value.endswith(f".{accepted}")
+        if type(value) is type(accepted) and (value == accepted or dotted):
+            return SAME
     for same in AUTOMODEL_SAME:
         if key == same or (same.endswith(".") and key.startswith(same)):
             return SAME
