@@ -74,7 +74,7 @@ def field_value(field, value, text=None):
     if text is not None and str in allowed:
         return text
     names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in allowed)
-    raise TypeError(f"must be {names}, got {value!r} ({type(value).__name__})")
+    raise wrong(names, value)
 
 
 # nanoGPT's train.py keys that are not ours, and where each one's meaning lives here.
