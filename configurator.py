@@ -36,11 +36,9 @@ def parse_config(config_class, argv):
             values[key] = checked_value(fields, key, value, f"command line {arg}", text)
         elif not os.path.isfile(arg):
             raise FileNotFoundError(f"{arg}: config file not found")
-        elif arg.endswith((".yaml", ".yml")):
-            for key, value in automodel_yaml(arg, fields).items():
-                values[key] = checked_value(fields, key, value, arg)
         else:
-            for key, value in exec_config(arg).items():
+            recipe = arg.endswith((".yaml", ".yml"))
+            for key, value in (automodel_yaml(arg, fields) if recipe else exec_config(arg)).items():
                 values[key] = checked_value(fields, key, value, arg)
     return config_class(**values)
 
@@ -63,10 +61,9 @@ def checked_value(fields, key, value, where, text=None):
 
 
 def field_value(field, value, text=None):
-    """`value` as the dataclass `field` takes it, or a TypeError naming the types it takes.
-
-    An int is a fine float. Where the field takes a string, `text` (the value as written) wins,
-    so that --split=969,30,1 is the string and not a tuple."""
+    """`value` as the dataclass `field` takes it (an int is a fine float), or a TypeError naming
+    the types it takes. Where the field takes a string, `text` (the value as written) wins, so
+    that --split=969,30,1 is the string and not a tuple."""
     allowed = typing.get_args(field.type) or (field.type,)
     if float in allowed and type(value) is int:
         value = float(value)
@@ -77,7 +74,7 @@ def field_value(field, value, text=None):
     if text is not None and str in allowed:
         return text
     names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in allowed)
-    raise TypeError(f"must be {names}, got {value!r} ({type(value).__name__})")
+    raise wrong(names, value)
 
 
 # nanoGPT's train.py keys that are not ours, and where each one's meaning lives here.
@@ -151,7 +148,6 @@ def config_help(config_class):
 
 
 # NeMo AutoModel's recipe (examples/llm_pretrain/megatron_pretrain_gpt2.yaml) and our keys
-
 AUTOMODEL_KEYS = {
     "step_scheduler.global_batch_size": "global_batch_size",
     "step_scheduler.local_batch_size": "local_batch_size",
@@ -252,7 +248,6 @@ def read_recipe(path):
                 yield from flat(value, f"{prefix}{key}.")
             else:
                 yield f"{prefix}{key}", value
-
     try:
         with open(path, encoding="utf-8") as f:
             written = dict(flat(yaml.safe_load(f)))
@@ -371,7 +366,6 @@ def recipe_defaults(items):
 def translate(key, value, written, items, fields):
     """What the recipe's `key` means here: {our key: value}, SAME (no change to the run), None or
     a reason (a change this code does not make). A TypeError says what type `key` takes."""
-    number = (int, float)
     seq_length = items.get("dataset.seq_length", fields["seq_length"].default)
     muon = str(items.get("optimizer._target_")).rsplit(".", 1)[-1] == "Muon"
     if key.startswith("optimizer.") and muon:
@@ -383,11 +377,11 @@ def translate(key, value, written, items, fields):
         return {"lr": lr, "muon_lr": lr}
     if key in ("optimizer.betas", "muon.scalar_betas"):
         if type(value) not in (list, tuple) or len(value) != 2 or \
-                any(type(beta) not in number for beta in value):
+                any(type(beta) not in (int, float) for beta in value):
             raise wrong("a list of two numbers [beta1, beta2]", written)
         return {"beta1": float(value[0]), "beta2": float(value[1])}
     if key == "dist_env.timeout_minutes":
-        if type(value) not in number:
+        if type(value) not in (int, float):
             raise wrong("a number of minutes", written)
         return {"dist_timeout_s": max(1, round(value * 60))}
     if key == "validation_dataset.num_val_samples":
@@ -402,14 +396,10 @@ def translate(key, value, written, items, fields):
         if value == seq_length:  # a new model here has seq_length positions
             return SAME
         return f"the model's context here is dataset.seq_length, {seq_length}"
-    if key in AUTOMODEL_VALUES:
-        for accepted in AUTOMODEL_VALUES[key]:
-            if value == accepted and type(value) is type(accepted):
-                return SAME
-            if isinstance(value, str) and isinstance(accepted, str) and \
-                    value.endswith("." + accepted):
-                return SAME
-        return None
+    for accepted in AUTOMODEL_VALUES.get(key, ()):
+        dotted = isinstance(value, str) and value.endswith(f".{accepted}")
+        if type(value) is type(accepted) and (value == accepted or dotted):
+            return SAME
     for same in AUTOMODEL_SAME:
         if key == same or (same.endswith(".") and key.startswith(same)):
             return SAME
