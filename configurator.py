@@ -261,7 +261,7 @@ def pretrained_sizes(name):
     """n_layer, n_head, n_embd, vocab_size of a local Hugging Face config directory or a hub name
     (GPT-2's own sizes are known without the hub); None where neither has a config.json."""
     name = str(name)
-    if os.path.basename(name) in GPT2_SIZES:
+    if not os.path.isdir(name) and os.path.basename(name) in GPT2_SIZES:
         return (*GPT2_SIZES[os.path.basename(name)], 50257)
     path = os.path.join(name, "config.json")
     if not os.path.isdir(name):

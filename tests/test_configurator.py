@@ -351,8 +351,10 @@ def test_a_negative_min_lr_never_trains(tmp_path):
                             "(0.0006), got -0.01\n"
 
 
-def test_a_recipe_naming_a_local_hf_config_directory_takes_its_sizes(data, tmp_path):
-    config = tmp_path / "my-gpt2"
+# A local directory named as a hub model (runs/gpt2) is read too: its config.json wins over the name.
+@pytest.mark.parametrize("name", ["my-gpt2", "gpt2"])
+def test_a_recipe_naming_a_local_hf_config_directory_takes_its_sizes(data, tmp_path, name):
+    config = tmp_path / name
     config.mkdir()
     sizes = dict(model_type="gpt2", n_layer=3, n_head=4, n_embd=64, vocab_size=1000)
     (config / "config.json").write_text(json.dumps(sizes))
