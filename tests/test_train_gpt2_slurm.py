@@ -323,7 +323,10 @@ def test_a_time_limit_shorter_than_the_run_requeues_it_until_complete(scenarios)
     assert ended["JobState"] == "COMPLETED" and int(ended["Restarts"]) >= 1, (ended, output[-3000:])
     warnings = output.count("train_gpt2.sbatch: time limit near")
     stops = len(re.findall(r"^stopped by a signal at step \d+", output, re.M))
-    assert warnings == stops == int(ended["Restarts"]), output[-3000:]
+    # A warning that lands after the run's end (a loaded machine) costs one more start, which finds
+    # the run complete and ends at once.
+    late = output.count("this run is already complete")
+    assert late <= 1 and warnings == stops + late == int(ended["Restarts"]), output[-3000:]
     assert seen["losses"] == scenarios["reference_long"].result()
 
 
