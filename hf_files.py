@@ -349,11 +349,16 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, chec
         swap_in(new, directory)
     except BaseException as e:
         shutil.rmtree(new, ignore_errors=True)  # frees the space at once
-        # a full disk or a read-only directory is one line naming the directory, not a traceback
+        # A full disk or a read-only directory is one line naming the directory, not a traceback;
+        # its errno stays, so that the run's error line adds the way out. safetensors' Rust error
+        # gives the OS's code in its text only ("... (os error 28)").
+        code, reason = getattr(e, "errno", None), getattr(e, "strerror", None)
         if isinstance(e, SafetensorError):
-            raise OSError(f"cannot write {directory}: {str(e).strip()}") from None
-        if isinstance(e, OSError) and e.strerror:
-            raise OSError(f"cannot write {directory}: {e.strerror}") from None
+            found = re.search(r"(?:os error|code:) (\d+)", str(e))
+            code = int(found[1]) if found else None
+            reason = os.strerror(code) if found else str(e).strip()
+        if reason:
+            raise OSError(code, f"cannot write {directory}: {reason}") from None
         raise  # extra_files' own one-line errors among them
 
 
