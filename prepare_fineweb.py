@@ -390,6 +390,10 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
             if match and match[1] not in made:
                 os.remove(os.path.join(output_dir, name))
                 print(f"{output_dir}/{name}: made from an input that is no longer given, removed")
+        # No train file at all would send the user from train_gpt2.py back here: say it here.
+        if not any(entry["output"] for entry in files.values()):
+            raise ValueError(f"{output_dir}: no documents to train on in the {len(inputs)} "
+                             f"input(s) (empty, or all taken by --val-tokens); nothing written")
         summary = write_summary(output_dir, start, options, val, files, complete=True)
         print(f"{output_dir}: " + "{documents:,} documents, {tokens:,} tokens, {seconds:,.1f} s; "
               "{empty_skipped:,} empty texts skipped, {invalid_utf8:,} with invalid UTF-8 replaced"

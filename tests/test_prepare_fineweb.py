@@ -482,6 +482,18 @@ def test_empty_inputs_give_no_output_and_a_warning(tmp_path, tiktoken_gpt2):
     assert not glob.glob(str(output_dir / "processed_data_0_*"))
 
 
+def test_inputs_without_a_document_fail_in_one_line_and_are_not_marked_finished(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"\n \n")
+    output_dir = tmp_path / "out"
+    run = run_cli("--input", str(tmp_path / "empty.txt"), "--output-dir", str(output_dir), "--workers", "1")
+    assert run.returncode == 1 and run.stderr.splitlines()[-1] == (
+        f"prepare_fineweb.py: error: {output_dir}: no documents to train on in the 1 input(s) (empty, or "
+        "all taken by --val-tokens); nothing written"), run.stderr
+    with open(output_dir / "summary.json") as f:
+        assert json.load(f)["finished"] is False
+    assert not glob.glob(str(output_dir / "*.idx"))
+
+
 def test_a_second_run_into_the_same_output_dir_stops_at_once(tmp_path):
     with open(tmp_path / "a.txt", "w") as f:
         f.write("some text\n")
