@@ -763,10 +763,11 @@ def cli(argv=None):
         text = error_line(e)
         if text is None:
             raise
-        # One write of the whole line, so that under torchrun the ranks' lines never run together.
-        sys.stderr.write(f"{prefix}train_gpt2.py: error: {text}\n")
-        sys.stderr.flush()
-        sys.exit(1)
+        if prefix:  # under torchrun, one write of the whole line: the ranks' lines never run together
+            sys.stderr.write(f"{prefix}train_gpt2.py: error: {text}\n")
+            sys.stderr.flush()
+            sys.exit(1)
+        sys.exit(f"train_gpt2.py: error: {text}")
 
 
 if __name__ == "__main__":
