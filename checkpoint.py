@@ -219,8 +219,7 @@ def save_checkpoint(cfg, model, optimizer, step, data, group=None):
     Future of write_checkpoint's (path, seconds). Every rank calls it. Under async_checkpoint the
     state is copied to CPU memory (dcp.async_save) and a thread writes it beside training."""
     assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
-    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
-    final = os.path.join(ckpt_root, f"step_{step:08d}")
+    final = os.path.join(cfg.out_dir, "ckpt", f"step_{step:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
         return WRITER.submit(lambda: (final, 0.0))  # already saved: a run resumed here and stopped
     tmp = final + ".tmp"

@@ -65,6 +65,15 @@ def broadcast_object(obj):
     return box[0]
 
 
+def attempt(work):
+    """(work(), None), or (None, the ValueError or OSError it raised): a bad config or file that
+    the caller raises on every rank, so that no rank waits for one that failed."""
+    try:
+        return work(), None
+    except (ValueError, OSError) as e:
+        return None, e
+
+
 def first_error(error):
     """Raise on every rank the first rank's `error` (None where that rank had none)."""
     errors = [error]
@@ -78,13 +87,7 @@ def first_error(error):
 
 def on_rank0(work):
     """work() done by rank 0 alone; its result on every rank, or its error raised on every rank."""
-    result = error = None
-    if is_master():
-        try:
-            result = work()
-        except (ValueError, OSError) as e:
-            error = e
-    result, error = broadcast_object((result, error))
+    result, error = broadcast_object(attempt(work) if is_master() else (None, None))
     if error is not None:
         raise error
     return result
@@ -98,10 +101,7 @@ def on_each_node(work):
     for my_turn in (first, not first):
         error = None
         if my_turn:
-            try:
-                result = work()
-            except (ValueError, OSError) as e:
-                error = e
+            result, error = attempt(work)
         first_error(error)
     return result
 

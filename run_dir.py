@@ -11,7 +11,7 @@ from atomic_io import LockHeld, atomic_write, lock_file
 from checkpoint import (assert_finite, config_changes, newest_usable_checkpoint,
                         read_train_state, set_aside, write_json)
 from hf_files import EXPORT_TOLERANCE, export_hf, from_pretrained, transformers_difference
-from processes import first_error, is_master, on_rank0
+from processes import attempt, first_error, is_master, on_rank0
 from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -207,11 +207,7 @@ def publish_hf(model, cfg):
                              f"from the final weights (largest difference {difference:.3g})")
 
     # Every rank gathers one tensor at a time to rank 0, which writes and checks.
-    error = None
-    try:
-        export_hf(model, hf_dir, extra_files=extra_files, check=check)
-    except (ValueError, OSError) as e:
-        error = e
+    _, error = attempt(lambda: export_hf(model, hf_dir, extra_files=extra_files, check=check))
     first_error(error)  # on every rank, so that none waits for rank 0
     if is_master():
         print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
