@@ -277,8 +277,7 @@ def checkpoint_error(error, final):
     for where, cause in causes or [("", error)]:
         if isinstance(cause, (OSError, RuntimeError)):
             code, reason = getattr(cause, "errno", None), error_reason(cause)
-            # torch's zip writer (DCP writes small items with it) says only "unexpected pos": a
-            # filesystem with less than a MiB left is the full disk.
+            # torch's zip writer (DCP writes small items with it) says only "unexpected pos".
             with contextlib.suppress(OSError):
                 if code is None and shutil.disk_usage(os.path.dirname(final)).free < 2**20:
                     code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
