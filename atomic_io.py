@@ -54,6 +54,7 @@ def lock_holder(path):
     finally:
         os.close(fd)
 
+
 def remove_stale_temporaries(directory, keep_empty=True):
     """Remove the temporaries (.*.tmp) in `directory` whose writers died (kill -9): those whose
     flock can be taken. An empty one may be a live writer's before its flock, so it stays, unless

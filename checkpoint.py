@@ -3,6 +3,7 @@ written whole or not at all, in the background by default, and read back with ev
 needs (damaged files, non-finite numbers, another optimizer, other data). Also load_model, which
 sample.py and hellaswag.py use to read a run, a checkpoint or a Hugging Face model."""
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -49,10 +50,8 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 
 def complete_checkpoints(ckpt_root):
     """Paths of the complete checkpoints under ckpt_root, oldest first."""
-    if not os.path.isdir(ckpt_root):
-        return []
-    names = [name for name in os.listdir(ckpt_root) if re.fullmatch(r"step_\d{8}", name)]
-    paths = [os.path.join(ckpt_root, name) for name in names]
+    names = os.listdir(ckpt_root) if os.path.isdir(ckpt_root) else []
+    paths = [os.path.join(ckpt_root, name) for name in names if re.fullmatch(r"step_\d{8}", name)]
     return sorted(path for path in paths if os.path.isfile(os.path.join(path, MARKER)))
 
 
@@ -133,32 +132,24 @@ def resolve_checkpoint(path, load=None):
 def last_good_checkpoint(out_dir):
     """Where a run stopped for non-finite numbers can be taken up again, as a sentence."""
     kept = complete_checkpoints(os.path.join(out_dir, "ckpt"))
-    if not kept:
-        return "The last good checkpoint is none (none was written)"
-    return f"The last good checkpoint is {kept[-1]}"
+    return f"The last good checkpoint is {kept[-1] if kept else 'none (none was written)'}"
 
 
 # ------------------------------------------------------------------------ non-finite numbers
 
-def local(tensor):
-    """This rank's part of a parameter or state tensor: a DTensor's shard, or all of a plain one."""
-    if hasattr(tensor, "to_local"):
-        return tensor.detach().to_local()
-    return tensor.detach()
-
-
 def nonfinite(model, optimizer=None):
     """Names of this rank's parameters (and optimizer moments) holding NaN or inf, or a negative
     exp_avg_sq, in one device sync."""
-    checks = {name: torch.isfinite(local(p)).all() for name, p in model.named_parameters()}
+    checks = {name: torch.isfinite(local_block(p)[0]).all() for name, p in model.named_parameters()}
     names = {p: name for name, p in model.named_parameters()}
     states = [item for opt in optimizer or [] for item in opt.state.items()]
     for p, state in states:
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:  # the moments, not the step
-                ok = torch.isfinite(local(value)).all()
+                shard = local_block(value)[0]  # this rank's part of a DTensor moment
+                ok = torch.isfinite(shard).all()
                 if key == "exp_avg_sq":
-                    ok = ok & (local(value) >= 0).all()
+                    ok = ok & (shard >= 0).all()
                 checks[f"{names[p]} ({key})"] = ok
     flags = torch.stack(list(checks.values())).tolist()
     return [name for name, ok in zip(checks, flags) if not ok]
@@ -196,10 +187,9 @@ def training_state(model, optimizer, step):
 def rng_state():
     """The random generators' states, serialized in memory: a full disk then fails in write() as an
     OSError naming the file, where torch.save's zip writer says "unexpected pos"."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     state = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(),
-                 python=random.getstate(), cuda=None)
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+                 python=random.getstate(), cuda=cuda)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -229,8 +219,7 @@ def save_checkpoint(cfg, model, optimizer, step, data, group=None):
     Future of write_checkpoint's (path, seconds). Every rank calls it. Under async_checkpoint the
     state is copied to CPU memory (dcp.async_save) and a thread writes it beside training."""
     assert_finite(model, f"checkpoint at step {step}", cfg.out_dir)
-    ckpt_root = os.path.join(cfg.out_dir, "ckpt")
-    final = os.path.join(ckpt_root, f"step_{step:08d}")
+    final = os.path.join(cfg.out_dir, "ckpt", f"step_{step:08d}")
     if broadcast_object(os.path.isfile(os.path.join(final, MARKER))):
         return WRITER.submit(lambda: (final, 0.0))  # already saved: a run resumed here and stopped
     tmp = final + ".tmp"
@@ -283,27 +272,18 @@ def write_checkpoint(cfg, final, write_shards, rng, train_state, group=None):
 def checkpoint_error(error, final):
     """The OSError that says why writing checkpoint `final` failed (a full disk, a read-only
     directory), on which rank; or `error` itself. DCP wraps each rank's exception."""
-    failures = getattr(error, "failures", None) or {}
-    causes = [(f" on rank {rank}", failures[rank]) for rank in sorted(failures)]
+    failures = getattr(error, "failures", None) or {}  # {rank: (exception, traceback)}
+    causes = [(f" on rank {rank}", failures[rank][0]) for rank in sorted(failures)]
     for where, cause in causes or [("", error)]:
-        if isinstance(cause, tuple):
-            cause = cause[0]
         if isinstance(cause, (OSError, RuntimeError)):
             code, reason = getattr(cause, "errno", None), error_reason(cause)
-            if code is None and disk_full(os.path.dirname(final)):
-                # torch's zip writer (DCP writes small items with it) says only "unexpected pos".
-                code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
+            # torch's zip writer (DCP writes small items with it) says only "unexpected pos".
+            with contextlib.suppress(OSError):
+                if code is None and shutil.disk_usage(os.path.dirname(final)).free < 2**20:
+                    code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
             return OSError(code, f"writing checkpoint {final} failed{where}: {reason}",
                            getattr(cause, "filename", None))
     return error
-
-
-def disk_full(path):
-    """Whether the filesystem of `path` has less than a MiB left."""
-    try:
-        return shutil.disk_usage(path).free < 2**20
-    except OSError:
-        return False
 
 
 class Checkpoints:
@@ -363,9 +343,7 @@ def model_differences(saved, now):
     phrases = []
     for what, names in (("added", added), ("missing", missing), ("reshaped", reshaped)):
         if names:
-            more = ""
-            if len(names) > 3:
-                more = f" and {len(names) - 3} more"
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             phrases.append(f"{what} {', '.join(names[:3])}{more}")
     return phrases
 
@@ -425,7 +403,7 @@ def starting_point(cfg, resume_path):
     if is_run_or_checkpoint(cfg.init_from):  # a run's weights
         path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
         if cfg.init_from_partial:
-            return GPTConfig(**config_architecture(cfg)), ("checkpoint", path)
+            model_config = config_architecture(cfg)
         return GPTConfig(**model_config), ("checkpoint", path)
     # A hub id is downloaded by each node into its own cache.
     directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))
@@ -442,13 +420,8 @@ def init_checkpoint(source):
         example = newest[-1] if newest else os.path.join(source, "ckpt", "step_N")
         raise ValueError(f"init_from {source}: that run is still training ({holder}) and may delete "
                          f"its checkpoints while they are read; name one, e.g. {example}")
-    configs = {}
-
-    def read(path):
-        configs[path] = read_train_state(path)["model_config"]
-
-    path = resolve_checkpoint(source, load=read)
-    return path, configs[path]
+    path = resolve_checkpoint(source, load=lambda path: read_train_state(path)["model_config"])
+    return path, read_train_state(path)["model_config"]
 
 
 def load_init_checkpoint(path, model, partial=False):
@@ -536,17 +509,16 @@ def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     train_state = on_rank0(lambda: read_train_state(resume_path))
     differ = model_differences(train_state["tensors"], tensor_shapes(model))
     run = os.path.dirname(os.path.dirname(resume_path))
+    edited = ("undo the edit, or start the edited model from these weights in a new out_dir with "
+              f"--init_from={run}")
     if differ:  # every checkpoint would fail to load, and none of them is damaged
         raise ValueError(f"{resume_path}: the model is not the one this run trained "
-                         f"({'; '.join(differ)}); undo the edit, or start the edited model from "
-                         f"these weights in a new out_dir with --init_from={run} "
-                         "--init_from_partial=True")
+                         f"({'; '.join(differ)}); {edited} --init_from_partial=True")
     drift = max(abs(a - b) for a, b in zip(train_state["probe"], data["probe"]))
     if drift > 1e-4:  # the same tensors, computed with otherwise
         raise ValueError(f"{resume_path}: model.py computes otherwise than when this run's "
                          f"checkpoints were written (the same tensors; a probe's logits differ by "
-                         f"up to {drift:.3g}); undo the edit, or start the edited model from these "
-                         f"weights in a new out_dir with --init_from={run}")
+                         f"up to {drift:.3g}); {edited}")
     saved = train_state["config"]["optimizer"]
     if saved != cfg.optimizer:  # its state would not fit: every checkpoint would fail to load
         raise ValueError(f"{resume_path}: the run was trained with --optimizer={saved}; resume so")

@@ -1,5 +1,6 @@
 """The run's processes: the process group and helpers that work with or without one, the stop that
 a SIGTERM or SIGINT asks for, and the one line that says why a run ended (a lost peer, a full disk)."""
+import contextlib
 import errno
 import gc
 import os
@@ -64,6 +65,15 @@ def broadcast_object(obj):
     return box[0]
 
 
+def attempt(work):
+    """(work(), None), or (None, the ValueError or OSError it raised): a bad config or file that
+    the caller raises on every rank, so that no rank waits for one that failed."""
+    try:
+        return work(), None
+    except (ValueError, OSError) as e:
+        return None, e
+
+
 def first_error(error):
     """Raise on every rank the first rank's `error` (None where that rank had none)."""
     errors = [error]
@@ -77,13 +87,7 @@ def first_error(error):
 
 def on_rank0(work):
     """work() done by rank 0 alone; its result on every rank, or its error raised on every rank."""
-    result = error = None
-    if is_master():
-        try:
-            result = work()
-        except (ValueError, OSError) as e:
-            error = e
-    result, error = broadcast_object((result, error))
+    result, error = broadcast_object(attempt(work) if is_master() else (None, None))
     if error is not None:
         raise error
     return result
@@ -97,10 +101,7 @@ def on_each_node(work):
     for my_turn in (first, not first):
         error = None
         if my_turn:
-            try:
-                result = work()
-            except (ValueError, OSError) as e:
-                error = e
+            result, error = attempt(work)
         first_error(error)
     return result
 
@@ -109,9 +110,7 @@ def any_rank(flag):
     """Whether `flag` is true on any rank (a collective: every rank calls it)."""
     if not dist.is_initialized():
         return bool(flag)
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: this rank's current GPU
     total = torch.tensor(float(bool(flag)), device=device)
     dist.all_reduce(total)
     return total.item() > 0
@@ -159,9 +158,7 @@ class StopRequest:
     def stopped(self, step, log):
         """Say that the run stopped at `step` after its checkpoint; the exit status, 128 + signum
         (143 for SIGTERM, also on a rank that only heard of the stop from another)."""
-        since = ""
-        if self.time:
-            since = f", {time.perf_counter() - self.time:.1f} s after the signal"
+        since = f", {time.perf_counter() - self.time:.1f} s after the signal" if self.time else ""
         log(f"stopped by a signal at step {step}{since}; rerun the same command to resume")
         return 128 + (self.signal or signal.SIGTERM)
 
@@ -187,12 +184,8 @@ def lost_peer(error):
                 (isinstance(e, RuntimeError) and any(words in str(e) for words in GONE)):
             line = first_line(e)
             return re.sub(r"^\[[^\]]*\] *", "", line).split(". ")[0]  # gloo's source location off
-        causes += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None) or {}
-        for failure in failures.values():
-            if isinstance(failure, tuple):
-                failure = failure[0]
-            causes.append(failure)
+        failures = getattr(e, "failures", None) or {}  # DCP's: {rank: (exception, traceback)}
+        causes += [e.__cause__, e.__context__] + [failure for failure, _ in failures.values()]
     return None
 
 
@@ -212,9 +205,7 @@ def first_line(error):
 
 def error_line(error):
     """The one line that a run's error ends it with, or None for an error to show in full."""
-    cause = None
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        cause = lost_peer(error)
+    cause = lost_peer(error) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None
     if cause is not None:
         return ("lost another rank of the run (it was killed, ended with an error of its own, or "
                 f"its node failed or stopped answering: {cause}); rerun the same command to "
@@ -241,7 +232,7 @@ def peak_memory(device, reset=False):
         if reset:
             torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.max_memory_allocated(device) / 2**30, "mem"
-    try:
+    with contextlib.suppress(OSError):
         if reset:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -249,8 +240,6 @@ def peak_memory(device, reset=False):
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 2**20, "rss"
-    except OSError:
-        pass
     # No /proc here (some sandboxes): the peak since the process began.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss"
 

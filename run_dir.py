@@ -11,7 +11,7 @@ from atomic_io import LockHeld, atomic_write, lock_file
 from checkpoint import (assert_finite, config_changes, newest_usable_checkpoint,
                         read_train_state, set_aside, write_json)
 from hf_files import EXPORT_TOLERANCE, export_hf, from_pretrained, transformers_difference
-from processes import first_error, is_master, on_rank0
+from processes import attempt, first_error, is_master, on_rank0
 from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -57,9 +57,7 @@ def check_out_dir(out_dir):
                              "name a directory of its own")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{out_dir}: out_dir is a file; name a directory")
-    entries = []
-    if os.path.isdir(path):
-        entries = os.listdir(path)
+    entries = os.listdir(path) if os.path.isdir(path) else []
     if entries and not set(RUN_FILES) & set(entries):
         raise ValueError(f"{out_dir}: out_dir holds {len(entries)} entries (e.g. "
                          f"{sorted(entries)[0]!r}) but no train_config.json, ckpt/ or main.log: "
@@ -83,9 +81,7 @@ def prepare_out_dir(out_dir, eval_only=False):
         # Starting again from step 0 here would bury the run those checkpoints belonged to.
         raise ValueError(f"{ckpt_root}: no checkpoint is usable (damaged ones were renamed "
                          f"*.damaged-*, e.g. {damaged[-1]}); start a fresh run in another out_dir")
-    log_dir = out_dir
-    if eval_only:
-        log_dir = os.path.join(out_dir, "eval")
+    log_dir = os.path.join(out_dir, "eval") if eval_only else out_dir
     os.makedirs(log_dir, exist_ok=True)
     for name in ("main.log", "metrics.jsonl"):
         log_path = os.path.join(log_dir, name)
@@ -113,9 +109,7 @@ class RunLog:
     def start(self, cfg, resumed):
         """On rank 0, once the config is accepted: train_config.json (eval_config.json under
         eval_only) and, with wandb_log, the wandb run of this directory."""
-        name = "train_config.json"
-        if cfg.eval_only:
-            name = "eval_config.json"
+        name = "eval_config.json" if cfg.eval_only else "train_config.json"
         write_json(os.path.join(self.out_dir, name), dataclasses.asdict(cfg))
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
         if not cfg.wandb_log:
@@ -213,11 +207,7 @@ def publish_hf(model, cfg):
                              f"from the final weights (largest difference {difference:.3g})")
 
     # Every rank gathers one tensor at a time to rank 0, which writes and checks.
-    error = None
-    try:
-        export_hf(model, hf_dir, extra_files=extra_files, check=check)
-    except (ValueError, OSError) as e:
-        error = e
+    _, error = attempt(lambda: export_hf(model, hf_dir, extra_files=extra_files, check=check))
     first_error(error)  # on every rank, so that none waits for rank 0
     if is_master():
         print(f"exported Hugging Face weights to {hf_dir} ({time.perf_counter() - t0:.1f} s)")
