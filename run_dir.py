@@ -138,13 +138,19 @@ class RunLog:
             return
         print(text, flush=True)
         if main_log:
-            with open(os.path.join(self.out_dir, "main.log"), "a") as f:
-                f.write(main_log + "\n")
+            self.append("main.log", main_log)
         if metrics:
-            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(dict(metrics, time=time.time())) + "\n")
+            self.append("metrics.jsonl", json.dumps(dict(metrics, time=time.time())))
             if self.wandb is not None:
                 self.wandb.log(metrics)
+
+    def append(self, name, line):
+        path = os.path.join(self.out_dir, name)
+        try:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # a write's error names no file: name it (a full disk, a quota)
+            raise OSError(e.errno, e.strerror, path) from None
 
 
 def already_complete(cfg, resume_path):

@@ -17,7 +17,8 @@ import plot_log
 import train_gpt2
 from checkpoint import load_model
 from conftest import ROOT, gpt2_token_dataset, metrics, script, tiny, vislog
-from run_dir import cut_torn_line, lock_out_dir, unlock_out_dirs
+from processes import SPACE, error_line
+from run_dir import RunLog, cut_torn_line, lock_out_dir, unlock_out_dirs
 from tokenizer import EOT_ID, gpt2_encoding
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -257,3 +258,11 @@ def test_hf_export_loads_the_way_lm_eval_harness_loads_it_and_scores_as_our_mode
     loglik = [F.log_softmax(logits[0, len(context) - 1:-1], -1).gather(1, tokens[0, len(context):, None]).sum()
               for logits in (theirs, ours)]
     assert torch.allclose(loglik[0], loglik[1], atol=1e-4), loglik
+
+
+@pytest.mark.parametrize("name", ["main.log", "metrics.jsonl"])
+def test_a_full_disk_while_a_log_is_appended_names_the_file(tmp_path, name):
+    os.symlink("/dev/full", tmp_path / name)  # every write to /dev/full fails as a full disk does
+    with pytest.raises(OSError) as excinfo:
+        RunLog(str(tmp_path))("step 1", "s:1 trl:1.0000", step=1, train_loss=1.0)
+    assert error_line(excinfo.value) == f"{tmp_path / name}: No space left on device; {SPACE}"
