@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 import warnings
+import zlib
 
 import numpy as np
 import torch
@@ -60,14 +61,18 @@ def read_train_state(ckpt_path):
 
 
 def check_checkpoint(path):
-    """None if each file of checkpoint `path` has its written size and its state reads; else why."""
+    """None if each file of checkpoint `path` has its written size and CRC-32 and its state reads;
+    else why. The CRC finds bytes changed in place (a bad disk block), which DCP would load."""
     name = os.path.join(path, MARKER)
     try:
-        for file, size in json.loads(pathlib.Path(name).read_text())["sizes"].items():
+        for file, written in json.loads(pathlib.Path(name).read_text())["files"].items():
             name = os.path.join(path, file)
             actual = os.path.getsize(name)
-            if actual != size:
-                return f"{name}: truncated or changed ({actual} bytes, {size} when written)"
+            if actual != written["size"]:
+                return f"{name}: truncated or changed ({actual} bytes, {written['size']} when written)"
+            with open(name, "rb") as f:
+                if file_crc32(f) != written["crc32"]:
+                    return f"{name}: its bytes changed since it was written (CRC-32 differs)"
         name = os.path.join(path, "train_state.json")
         read_train_state(path)
         return None
@@ -200,15 +205,23 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2)
 
 
+def file_crc32(f):
+    crc = 0
+    while block := f.read(1 << 24):
+        crc = zlib.crc32(block, crc)
+    return crc
+
+
 def fsync_tree(path):
-    """fsync every file in directory `path`, then the directory; {file name: size} for the marker."""
-    sizes = {}
+    """fsync every file in directory `path`, then the directory; {file name: its size and CRC-32}
+    for the marker (read back from the page cache the write just filled)."""
+    files = {}
     for name in sorted(os.listdir(path)):
         with open(os.path.join(path, name), "rb") as f:
             os.fsync(f.fileno())
-        sizes[name] = os.path.getsize(os.path.join(path, name))
+            files[name] = dict(size=os.fstat(f.fileno()).st_size, crc32=file_crc32(f))
     fsync_dir(path)
-    return sizes
+    return files
 
 
 WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # so one checkpoint write at a time
@@ -253,8 +266,8 @@ def write_checkpoint(cfg, final, write_shards, rng, train_state, group=None):
             with atomic_write(os.path.join(tmp, "rng.pt")) as f:
                 f.write(rng)
             write_json(os.path.join(tmp, "train_state.json"), train_state)
-            sizes = fsync_tree(tmp)
-            write_json(os.path.join(tmp, MARKER), dict(step=train_state["step"], sizes=sizes))
+            files = fsync_tree(tmp)
+            write_json(os.path.join(tmp, MARKER), dict(step=train_state["step"], files=files))
             os.rename(tmp, final)
             fsync_dir(ckpt_root)
     except (Exception, dcp.CheckpointException) as e:

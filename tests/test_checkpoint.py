@@ -258,7 +258,7 @@ def test_a_nonfinite_checkpoint_is_set_aside_and_the_older_one_resumed(finished,
     train_state["step"], train_state["consumed_samples"] = 15, 15 * 8
     (step15 / "train_state.json").write_text(json.dumps(train_state))
     (step15 / MARKER).unlink()
-    (step15 / MARKER).write_text(json.dumps(dict(step=15, sizes=checkpoint.fsync_tree(str(step15)))))
+    (step15 / MARKER).write_text(json.dumps(dict(step=15, files=checkpoint.fsync_tree(str(step15)))))
     assert train_gpt2.main(args) == 0
     said = capsys.readouterr().out
     assert re.search(r"skipping checkpoint .*step_00000015: .*negative or non-finite Adam moment", said)
@@ -290,16 +290,20 @@ def test_incomplete_checkpoint_is_moved_aside_and_rewritten(data, reference, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated shard", "missing shard", "empty rng.pt", "bad train_state.json",
-                                    "no .metadata"])
+                                    "no .metadata", "bytes changed in a shard"])
 def test_check_checkpoint_names_the_damaged_file(reference, tmp_path, damage):
     path = tmp_path / "step"
     shutil.copytree(reference / "ckpt" / "step_00000006", path)
     assert check_checkpoint(str(path)) is None
     name, text = {"truncated shard": ("__0_0.distcp", None), "missing shard": ("__0_0.distcp", None),
                   "empty rng.pt": ("rng.pt", b""), "bad train_state.json": ("train_state.json", b"{\"step\": 6,"),
-                  "no .metadata": (".metadata", None)}[damage]
+                  "no .metadata": (".metadata", None), "bytes changed in a shard": ("__0_0.distcp", None)}[damage]
     if damage == "truncated shard":
         os.truncate(path / name, os.path.getsize(path / name) // 2)
+    elif damage == "bytes changed in a shard":  # a bad disk block: the size stays, DCP would load it
+        with open(path / name, "r+b") as f:
+            f.seek(os.path.getsize(path / name) // 2)
+            f.write(bytes(4096))
     elif text is None:
         os.remove(path / name)
     else:
