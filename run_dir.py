@@ -75,7 +75,10 @@ def prepare_out_dir(out_dir, eval_only=False):
         if name.endswith(".tmp"):  # ours: the lock says that no other run is writing it
             print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
             shutil.rmtree(os.path.join(ckpt_root, name))
-    resume_path, messages = newest_usable_checkpoint(ckpt_root)
+    resume_path, skipped = newest_usable_checkpoint(ckpt_root)
+    for message in skipped:  # said at once: they explain the refusal below
+        print(message)
+    messages = []
     damaged = sorted(name for name in os.listdir(ckpt_root) if ".damaged-" in name)
     if resume_path is None and damaged and not eval_only:
         # Starting again from step 0 here would bury the run those checkpoints belonged to.

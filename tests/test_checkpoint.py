@@ -468,3 +468,18 @@ def test_init_from_a_checkpoint_whose_weights_do_not_load_is_one_line_and_leaves
     assert f"n_layer 2 from {older} (the config's 3 does not apply)" in said
     trained = json.loads((tmp_path / "out" / "train_config.json").read_text())
     assert (trained["n_layer"], trained["n_embd"]) == (2, 32)  # the model's sizes, not the config's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_a_checkpoint_file_zeroed_in_place_is_named_and_never_loaded(finished, tmp_path, name):
+    """The size stays, so only the CRC-32 in complete.json tells; DCP would load the shard's zeros, or log
+    tracebacks of its own for the metadata. The run's only checkpoint: the rerun refuses in one line."""
+    copy, _, args = rerun(finished, tmp_path)
+    damaged = copy / "ckpt" / "step_00000010" / name
+    damaged.write_bytes(bytes(os.path.getsize(damaged)))
+    result = script(*args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"{damaged}: its bytes changed since it was written (CRC-32 differs)" in result.stdout + result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"train_gpt2.py: error: {copy / 'ckpt'}: no checkpoint is "
+                                                     "usable (damaged ones were renamed")
