@@ -33,14 +33,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def write_checkpoint(run, step, model):
     """A checkpoint laid out as train_gpt2.py writes it: DCP model files, rng.pt, train_state.json, then the marker
-    with every file's size."""
+    with every file's size and CRC-32."""
     path = run / "ckpt" / f"step_{step:08d}"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(path))
     torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")
     (path / "train_state.json").write_text(json.dumps(dict(step=step, consumed_samples=8 * step,
                                                            model_config=dataclasses.asdict(model.config))))
-    sizes = {name: os.path.getsize(path / name) for name in sorted(os.listdir(path))}
-    (path / MARKER).write_text(json.dumps(dict(step=step, sizes=sizes)))
+    (path / MARKER).write_text(json.dumps(dict(step=step, files=checkpoint.fsync_tree(str(path)))))
     return path
 
 
