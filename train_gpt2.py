@@ -398,7 +398,7 @@ class Evaluator:
             return any_rank(stop.requested())
 
         if self.val_data is not None:
-            if not self.validate(model, step, head, stopped):
+            if not self.validate(model, step, head, stop):
                 return False
         if self.hellaswag is not None and (step > 0 or self.cfg.eval_only):
             rank, world_size = rank_and_world_size()
@@ -420,8 +420,9 @@ class Evaluator:
             self.log(f"{head} sample: {text!r}", step=step, sample=text)
         return True
 
-    def validate(self, model, step, head, stopped):
-        """Log the mean loss over the validation windows; False if a stop came during it."""
+    def validate(self, model, step, head, stop):
+        """Log the mean loss over the validation windows; False if a stop came during it or a
+        data error (a file cut short), which every rank then stops on and checkpoints, as in training."""
         rank, world_size = rank_and_world_size()
         batch_size = self.cfg.local_batch_size
         # Rank r scores windows r, r + W, ...; every rank runs as many forwards, since a sharded
@@ -429,11 +430,14 @@ class Evaluator:
         t0, mine = time.perf_counter(), list(range(rank, len(self.val_data), world_size))
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         for b in range(math.ceil(len(self.val_data) / (world_size * batch_size))):
-            if stopped():  # checked between batches: a stop never waits behind an evaluation
-                return False
             indices = mine[b * batch_size:(b + 1) * batch_size]
-            batch = host_batch(self.val_data, indices or [0], self.vocab_size,
-                               self.device.type == "cuda")
+            try:
+                batch = host_batch(self.val_data, indices or [0], self.vocab_size,
+                                   self.device.type == "cuda")
+            except ValueError as e:
+                stop.error = e
+            if any_rank(stop.requested()):  # between batches: a stop never waits behind validation
+                return False
             tokens, labels = (t.to(self.device, non_blocking=True) for t in batch)
             with torch.no_grad(), self.autocast:
                 _, loss = model(tokens, labels)

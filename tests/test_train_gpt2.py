@@ -574,6 +574,34 @@ def test_a_data_error_mid_run_saves_the_last_good_step_and_the_rerun_resumes_it(
     assert metrics(tmp_path / "out", "train_loss") == metrics(reference, "train_loss")
 
 
+@pytest.mark.slow
+def test_a_data_error_during_validation_saves_the_step_reached_and_the_rerun_resumes_it(
+        data, tmp_path, monkeypatch):
+    """The validation windows are read in the main thread: a file cut short there stops every rank at
+    that step's checkpoint too (with ckpt_every_steps=0 nothing else would be saved)."""
+    args = tiny(data, tmp_path / "out", max_steps=20, val_every_steps=5, ckpt_every_steps=0)
+    train_gpt2.main(tiny(data, tmp_path / "reference", max_steps=20, val_every_steps=5, ckpt_every_steps=0))
+    real_host_batch, real_validate, validating = train_gpt2.host_batch, train_gpt2.Evaluator.validate, [0]
+
+    def validate(self, model, step, *rest):
+        validating[0] = step
+        return real_validate(self, model, step, *rest)
+
+    def fails_at_step_15(dataset, indices, *rest):
+        if validating[0] == 15 and threading.current_thread() is threading.main_thread():
+            raise ValueError("data/x.bin: shrank from 100 to 50 bytes while the run read it")
+        return real_host_batch(dataset, indices, *rest)
+
+    monkeypatch.setattr(train_gpt2.Evaluator, "validate", validate)
+    monkeypatch.setattr(train_gpt2, "host_batch", fails_at_step_15)
+    with pytest.raises(ValueError, match="shrank"):
+        train_gpt2.main(args)
+    assert checkpoints(tmp_path / "out") == ["step_00000015"]
+    monkeypatch.setattr(train_gpt2, "host_batch", real_host_batch)
+    assert train_gpt2.main(args) == 0
+    assert metrics(tmp_path / "out", "train_loss") == metrics(tmp_path / "reference", "train_loss")
+
+
 @pytest.mark.gpt2
 @pytest.mark.slow
 def test_another_activation_trains_resumes_and_exports_under_its_name(data, tmp_path):
