@@ -450,7 +450,10 @@ def test_init_from_a_checkpoint_whose_weights_do_not_load_is_one_line_and_leaves
     shutil.copytree(out, source)
     newest = source / "ckpt" / "step_00000020"
     metadata = newest / ".metadata"
-    metadata.write_bytes(bytes(len(metadata.read_bytes())))  # the same size, so only loading finds it out
+    metadata.write_bytes(bytes(len(metadata.read_bytes())))
+    # The marker written over it again, as if the writer had written the zeros: only loading finds them out.
+    (newest / MARKER).unlink()
+    (newest / MARKER).write_text(json.dumps(dict(step=20, files=checkpoint.fsync_tree(str(newest)))))
     args = tiny(prefix, tmp_path / "out", max_steps=2, index_mapping_dir=str(tmp_path / "cache"))
     for init_from in (source, newest):
         with pytest.raises(ValueError, match=rf"^init_from {re.escape(str(newest))}: its weights do not load "
