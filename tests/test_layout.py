@@ -110,6 +110,22 @@ def test_every_relative_link_in_the_docs_resolves():
     assert not broken, broken
 
 
+def test_every_row_of_the_faults_table_names_tests_that_exist():
+    """docs/faults.md's last column: at least one `test_file.py::test_name` a row, each defined in that file."""
+    with open(os.path.join(ROOT, "docs", "faults.md"), encoding="utf-8") as f:
+        rows = [line for line in f if line.startswith("| ") and not line.startswith("| what happens")]
+    missing = []
+    for row in rows:
+        named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.rstrip().rstrip("|").rsplit("|", 1)[1])
+        if not named:
+            missing.append(f"{row[:60]}...: no test named")
+        for file, test in named:
+            with open(os.path.join(ROOT, "tests", file), encoding="utf-8") as f:
+                if not re.search(rf"^def {test}\(", f.read(), re.M):
+                    missing.append(f"{file}::{test}: no such test")
+    assert rows and not missing, missing
+
+
 # The shape a reader can hold in their head. The limits are the ones nanoGPT's files meet with room to spare.
 # Every top-level script together, the Slurm script included: a ceiling that stops growth, at the
 # total the edited-model checks brought (docs/development.md says where the lines went).
