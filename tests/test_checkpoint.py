@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -179,6 +180,44 @@ def test_kill9_inside_a_background_checkpoint_write_then_a_rerun_gives_the_unint
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     assert checkpoints(out) == ["step_00000010", "step_00000020.tmp"]
     assert max(metrics(out, "train_loss")) >= 22  # training went on while step 20 was written
+    assert train_gpt2.main(tiny(data, out, **args)) == 0
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(out, key) == metrics(reference, key)
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_background_write_is_in_flight_finishes_it_then_checkpoints_the_stop(
+        data, tmp_path, monkeypatch):
+    """A preemption (or a requeue) that lands while checkpoint step 20 is still being written: the write is
+    finished first, the stop step is checkpointed, and the rerun gives the uninterrupted run."""
+    import torch.distributed.checkpoint.filesystem as fs
+    reference, out = tmp_path / "reference", tmp_path / "stopped"
+    args = dict(max_steps=30, index_mapping_dir=str(tmp_path / "c"))
+    assert train_gpt2.main(tiny(data, reference, **args)) == 0
+    real_write, real_step, steps = fs._write_item, torch.optim.AdamW.step, [0]
+    inside, release = threading.Event(), threading.Event()
+
+    def write_item(transforms, stream, *rest, **kwargs):
+        if "step_00000020.tmp" in stream.name:
+            inside.set()
+            release.wait(60)  # held until after the signal
+        return real_write(transforms, stream, *rest, **kwargs)
+
+    def step(self, *rest, **kwargs):
+        result = real_step(self, *rest, **kwargs)
+        steps[0] += 1
+        if steps[0] == 22:  # two steps trained since the write began
+            assert inside.wait(60)
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Timer(0.5, release.set).start()
+        return result
+
+    monkeypatch.setattr(fs, "_write_item", write_item)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    assert train_gpt2.main(tiny(data, out, **args)) == 128 + signal.SIGTERM
+    assert checkpoints(out) == ["step_00000020", "step_00000022"]
+    assert all(check_checkpoint(str(out / "ckpt" / name)) is None for name in checkpoints(out))
+    monkeypatch.undo()
     assert train_gpt2.main(tiny(data, out, **args)) == 0
     for key in ("train_loss", "val_loss", "grad_norm"):
         assert metrics(out, key) == metrics(reference, key)
