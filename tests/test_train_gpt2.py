@@ -602,6 +602,20 @@ def test_a_data_error_during_validation_saves_the_step_reached_and_the_rerun_res
     assert metrics(tmp_path / "out", "train_loss") == metrics(tmp_path / "reference", "train_loss")
 
 
+def test_a_non_finite_val_loss_stops_the_run_in_one_line(data, tmp_path, monkeypatch):
+    """Validation in bf16 can overflow where training did not: the run stops there, naming the step."""
+    import model
+
+    def chunk_loss(logits, targets, training):
+        plain = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+        return plain if training else plain * float("nan")
+
+    monkeypatch.setattr(model, "chunk_loss", chunk_loss)
+    with pytest.raises(FloatingPointError, match=r"^step 0: val loss nan is not finite; stopped, state not saved$"):
+        train_gpt2.main(tiny(data, tmp_path / "out", max_steps=4))
+    assert not os.path.exists(tmp_path / "out" / "hf")
+
+
 @pytest.mark.gpt2
 @pytest.mark.slow
 def test_another_activation_trains_resumes_and_exports_under_its_name(data, tmp_path):
