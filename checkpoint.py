@@ -89,18 +89,26 @@ def set_aside(path, why):
     return new
 
 
+def checkpoint_problem(path, load=None):
+    """Why checkpoint `path` is not usable (check_checkpoint's answer, or load(path)'s error), or None."""
+    problem = check_checkpoint(path)
+    if problem is None and load is not None:
+        try:
+            load(path)
+        # Whatever failed to read, the checkpoint is the problem; DCP's error is no Exception.
+        except (Exception, dcp.CheckpointException) as e:
+            cause = next(iter(getattr(e, "failures", {}).values()), (e,))[0]  # DCP's: by rank
+            problem = f"{type(cause).__name__}: {first_line(cause)}"
+    return problem
+
+
 def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
     """(the newest complete checkpoint that check_checkpoint and load(path), if given, pass, or
     None; messages naming those skipped). Damaged ones are renamed aside, or with read_only left."""
     messages, damaged = [], []
     while found := [path for path in complete_checkpoints(ckpt_root) if path not in damaged]:
         newest = found[-1]
-        problem = check_checkpoint(newest)
-        if problem is None and load is not None:
-            try:
-                load(newest)
-            except Exception as e:  # whatever failed to read, the checkpoint is the problem
-                problem = f"{type(e).__name__}: {first_line(e)}"
+        problem = checkpoint_problem(newest, load)
         if problem is None:
             return newest, messages
         # A live run may delete checkpoints or write a newer one while we read: a checkpoint is
@@ -121,8 +129,9 @@ def is_run_or_checkpoint(path):
 def resolve_checkpoint(path, load=None):
     """A checkpoint as named, or a run's newest usable one, read-only (skips go to stderr)."""
     if os.path.isfile(os.path.join(path, "train_state.json")):
-        if load is not None:
-            load(path)
+        problem = checkpoint_problem(path, load)
+        if problem is not None:  # named outright: nothing older to fall back on
+            raise ValueError(f"{path}: not a usable checkpoint: {problem}")
         return path
     ckpt_root = os.path.join(path, "ckpt")
     found, messages = newest_usable_checkpoint(ckpt_root, read_only=True, load=load)

@@ -122,6 +122,30 @@ def test_sample_cli_with_a_damaged_newest_checkpoint(tmp_path):
     assert os.path.isdir(newest)
 
 
+@pytest.mark.parametrize("cli", ["sample.py", "hellaswag.py"])
+@pytest.mark.parametrize("damage", ["truncated", "zeroed"])
+def test_a_damaged_checkpoint_named_outright_is_one_line(tmp_path, cli, damage):
+    """Named outright, there is nothing older to fall back on: one line naming it and what is wrong."""
+    step = write_checkpoint(tmp_path / "run", 10, gpt2_vocab_model(1))
+    shard = step / "__0_0.distcp"
+    if damage == "truncated":
+        os.truncate(shard, 100)
+    else:  # its size and the marker as written, its bytes not: DCP alone would fail with a traceback
+        shard.write_bytes(bytes(os.path.getsize(shard)))
+        (step / MARKER).unlink()
+        (step / MARKER).write_text(json.dumps(dict(step=10, files=checkpoint.fsync_tree(str(step)))))
+    example = dict(ctx="A man", endings=["sits.", "runs.", "eats.", "sleeps."], label=0)
+    (tmp_path / "hellaswag.jsonl").write_text(json.dumps(example) + "\n")
+    args = ["--prompt", "Hi", "--max-new-tokens", "3"]
+    if cli == "hellaswag.py":
+        args = ["--data", str(tmp_path / "hellaswag.jsonl")]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, cli), "--model", str(step), "--device", "cpu", *args],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(f"{cli}: error: {step}: not a usable checkpoint: ")
+
+
 # ----------------------------------------------------------------------------- writing checkpoints
 
 FULL_DISK = """
