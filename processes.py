@@ -132,6 +132,7 @@ class StopRequest:
         self.signal = self.time = self.error = None
         self.interrupts = 0  # Ctrl-Cs after the first signal
         self.told = False  # whether a repeated SIGTERM was said to be ignored
+        self.ended = False  # set when the run ends, however: the reading thread then ends too
         self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def requested(self):

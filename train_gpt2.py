@@ -12,6 +12,7 @@ Where the common edits go: the model, its activation, attention and loss are in 
 learning-rate schedule is lr_at(), the optimizer and its parameter groups are build_optimizer(),
 and one training step is the body of the loop in train().
 """
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -343,16 +344,21 @@ def prefetch(dataset, sampler, grad_accum_steps, vocab_size, pin, stop, depth=2)
 
     def produce():
         try:
-            while True:
-                ready.put([host_batch(dataset, next(sampler), vocab_size, pin)
-                           for _ in range(grad_accum_steps)])
+            while not stop.ended:
+                batches = [host_batch(dataset, next(sampler), vocab_size, pin)
+                           for _ in range(grad_accum_steps)]
+                # A run that ended (an error in a notebook, say) leaves no thread blocked here.
+                while not stop.ended:
+                    with contextlib.suppress(queue.Full):
+                        ready.put(batches, timeout=1)
+                        break
         except StopIteration:
             return  # every step's samples were read
         except BaseException as e:
             stop.error = e
             ready.put(e)
 
-    threading.Thread(target=produce, daemon=True).start()
+    threading.Thread(target=produce, name="prefetch", daemon=True).start()
     return ready
 
 
@@ -735,6 +741,7 @@ def run(cfg, restore_signals=True):
         finally:  # a stop, the end of the run or an error: the write in flight is finished first
             checkpoints.wait()
     finally:
+        stop.ended = True
         if restore_signals:
             stop.restore()
         log.close()

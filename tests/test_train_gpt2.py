@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -600,6 +601,27 @@ def test_a_data_error_during_validation_saves_the_step_reached_and_the_rerun_res
     monkeypatch.setattr(train_gpt2, "host_batch", real_host_batch)
     assert train_gpt2.main(args) == 0
     assert metrics(tmp_path / "out", "train_loss") == metrics(tmp_path / "reference", "train_loss")
+
+
+def test_a_run_that_fails_in_process_leaves_no_reading_thread_behind(data, tmp_path, monkeypatch):
+    """A notebook's failed runs must not pile up threads holding the data's mappings and batches."""
+    def fails(self, step, *rest):
+        if step == 3:
+            raise RuntimeError("a failure of the run's own")
+        return real_log_step(self, step, *rest)
+
+    def left_behind():  # the checkpoint writer's one pooled thread is meant to stay
+        return [t for t in set(threading.enumerate()) - before if not t.name.startswith("ThreadPool")]
+
+    real_log_step, before = train_gpt2.StepLog.log_step, set(threading.enumerate())
+    monkeypatch.setattr(train_gpt2.StepLog, "log_step", fails)
+    for attempt in range(2):
+        with pytest.raises(RuntimeError, match="of the run's own"):
+            train_gpt2.main(tiny(data, tmp_path / f"out{attempt}", max_steps=20))
+    deadline = time.monotonic() + 10
+    while left_behind() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left_behind()
 
 
 def test_a_non_finite_val_loss_stops_the_run_in_one_line(data, tmp_path, monkeypatch):
