@@ -299,10 +299,14 @@ def checkpoint_error(error, final):
     for where, cause in causes or [("", error)]:
         if isinstance(cause, (OSError, RuntimeError)):
             code, reason = getattr(cause, "errno", None), error_reason(cause)
-            # torch's zip writer (DCP writes small items with it) says only "unexpected pos".
+            # torch's zip writer (DCP writes small items with it) says only "unexpected pos" when a
+            # write falls short. The free space tells too, but only until rank 0 has removed the
+            # failed write: another rank may look after that.
+            full = "unexpected pos" in reason
             with contextlib.suppress(OSError):
-                if code is None and shutil.disk_usage(os.path.dirname(final)).free < 2**20:
-                    code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
+                full = full or shutil.disk_usage(os.path.dirname(final)).free < 2**20
+            if code is None and full:
+                code, reason = errno.ENOSPC, os.strerror(errno.ENOSPC)
             return OSError(code, f"writing checkpoint {final} failed{where}: {reason}",
                            getattr(cause, "filename", None))
     return error

@@ -72,9 +72,13 @@ def prepare_out_dir(out_dir, eval_only=False):
     os.makedirs(ckpt_root, exist_ok=True)
     lock_out_dir(out_dir)
     for name in os.listdir(ckpt_root):
+        path = os.path.join(ckpt_root, name)
         if name.endswith(".tmp"):  # ours: the lock says that no other run is writing it
-            print(f"removing incomplete checkpoint {os.path.join(ckpt_root, name)}")
-            shutil.rmtree(os.path.join(ckpt_root, name))
+            print(f"removing incomplete checkpoint {path}")
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:  # a file or a link of that name, which no checkpoint write leaves
+                os.remove(path)
     resume_path, skipped = newest_usable_checkpoint(ckpt_root)
     for message in skipped:  # said at once: they explain the refusal below
         print(message)

@@ -548,3 +548,13 @@ def test_a_checkpoint_file_zeroed_in_place_is_named_and_never_loaded(finished, t
     assert f"{damaged}: its bytes changed since it was written (CRC-32 differs)" in result.stdout + result.stderr
     assert result.stderr.splitlines()[-1].startswith(f"train_gpt2.py: error: {copy / 'ckpt'}: no checkpoint is "
                                                      "usable (damaged ones were renamed")
+
+
+def test_a_short_write_in_torchs_zip_writer_says_the_disk_is_full_whatever_the_free_space_is_by_then(tmp_path):
+    """Rank 0 removes a failed write at once, which frees the space: another rank that looks at the disk after
+    that still reads torch's words for a short write as the full disk they are."""
+    from processes import SPACE, error_line
+    final = str(tmp_path / "ckpt" / "step_00000004")
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert error_line(checkpoint.checkpoint_error(short, final)) == (
+        f"writing checkpoint {final} failed: No space left on device; {SPACE}")

@@ -18,7 +18,7 @@ import train_gpt2
 from checkpoint import load_model
 from conftest import ROOT, gpt2_token_dataset, metrics, script, tiny, vislog
 from processes import SPACE, error_line
-from run_dir import RunLog, cut_torn_line, lock_out_dir, unlock_out_dirs
+from run_dir import RunLog, cut_torn_line, lock_out_dir, prepare_out_dir, unlock_out_dirs
 from tokenizer import EOT_ID, gpt2_encoding
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -266,3 +266,13 @@ def test_a_full_disk_while_a_log_is_appended_names_the_file(tmp_path, name):
     with pytest.raises(OSError) as excinfo:
         RunLog(str(tmp_path))("step 1", "s:1 trl:1.0000", step=1, train_loss=1.0)
     assert error_line(excinfo.value) == f"{tmp_path / name}: No space left on device; {SPACE}"
+
+
+def test_a_file_named_like_an_interrupted_checkpoint_is_removed_and_the_run_starts(tmp_path):
+    (tmp_path / "out" / "ckpt").mkdir(parents=True)
+    (tmp_path / "out" / "ckpt" / "step_00000004.tmp").write_text("not a checkpoint directory")
+    try:
+        assert prepare_out_dir(str(tmp_path / "out"), eval_only=False) is None
+    finally:
+        unlock_out_dirs()
+    assert os.listdir(tmp_path / "out" / "ckpt") == []
