@@ -97,9 +97,14 @@ def checkpoint_problem(path, load=None):
             load(path)
         # Whatever failed to read, the checkpoint is the problem; DCP's error is no Exception.
         except (Exception, dcp.CheckpointException) as e:
-            cause = next(iter(getattr(e, "failures", {}).values()), (e,))[0]  # DCP's: by rank
-            problem = f"{type(cause).__name__}: {first_line(cause)}"
+            problem = load_error(e)
     return problem
+
+
+def load_error(error):
+    """What failed to read, in a few words; DCP's CheckpointException holds each rank's cause."""
+    cause = next(iter(getattr(error, "failures", {}).values()), (error,))[0]
+    return f"{type(cause).__name__}: {first_line(cause)}"
 
 
 def newest_usable_checkpoint(ckpt_root, read_only=False, load=None):
@@ -510,7 +515,7 @@ def load_checkpoint(ckpt_path, model, optimizer):
         try:
             train_state = load_state(path, model, optimizer)
         except (Exception, dcp.CheckpointException) as e:
-            error = f"{type(e).__name__}: {first_line(e)}"
+            error = load_error(e)
         if not any_rank(error is not None):
             return train_state
         if is_master():
