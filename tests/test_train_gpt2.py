@@ -784,13 +784,14 @@ def test_an_edit_of_model_py_is_never_exported_or_resumed_silently_wrong(edit, d
     assert not os.path.exists(os.path.join(fresh, "hf")) and len(checkpoints(fresh)) == 2
     losses = list(metrics(fresh, "val_loss").values())
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]  # a rotary table trains: no garbage buffer
-    # --hf_export=require stops before step 1, in one line saying why
-    result = train_in(project, edit_args(data, str(tmp_path / "required"), hf_export="require"))
-    errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert result.returncode == 1 and len(errors) == 1, result.stderr
-    assert errors[0].startswith("train_gpt2.py: error: config: hf_export='require', and hf/ will not be written")
-    assert export_says in errors[0] and "step     0/4" not in result.stdout
-    assert not glob.glob(str(tmp_path / "required" / "ckpt" / "*"))
+    if edit == "swiglu":  # --hf_export=require stops before step 1, in one line saying why (once: it costs a run)
+        result = train_in(project, edit_args(data, str(tmp_path / "required"), hf_export="require"))
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert result.returncode == 1 and len(errors) == 1, result.stderr
+        assert errors[0].startswith("train_gpt2.py: error: config: hf_export='require', and hf/ will not be "
+                                    "written")
+        assert export_says in errors[0] and "step     0/4" not in result.stdout
+        assert not glob.glob(str(tmp_path / "required" / "ckpt" / "*"))
 
     old = str(tmp_path / "old")
     shutil.copytree(unedited_run, old)
