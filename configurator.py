@@ -36,9 +36,11 @@ def parse_config(config_class, argv):
             values[key] = checked_value(fields, key, value, f"command line {arg}", text)
         elif not os.path.isfile(arg):
             raise FileNotFoundError(f"{arg}: config file not found")
+        elif arg.endswith((".yaml", ".yml")):
+            for key, value in automodel_yaml(arg, fields).items():
+                values[key] = checked_value(fields, key, value, arg)
         else:
-            recipe = arg.endswith((".yaml", ".yml"))
-            for key, value in (automodel_yaml(arg, fields) if recipe else exec_config(arg)).items():
+            for key, value in exec_config(arg).items():
                 values[key] = checked_value(fields, key, value, arg)
     return config_class(**values)
 
@@ -248,6 +250,7 @@ def read_recipe(path):
                 yield from flat(value, f"{prefix}{key}.")
             else:
                 yield f"{prefix}{key}", value
+
     try:
         with open(path, encoding="utf-8") as f:
             written = dict(flat(yaml.safe_load(f)))

@@ -85,7 +85,8 @@ class IndexedDataset:
         bin_size, idx_size = os.fstat(self.bin_file.fileno()).st_size, os.path.getsize(idx_path)
         self.sizes = {".bin": bin_size, ".idx": idx_size}
         if idx_size < HEADER.size:
-            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte header")
+            raise ValueError(f"{idx_path}: truncated: {idx_size} bytes, less than the 34-byte "
+                             "header")
         self._index = np.memmap(idx_path, dtype=np.uint8, mode="r")
         magic, version, code, count, num_boundaries = HEADER.unpack(self._index[:HEADER.size])
         if magic != INDEX_MAGIC or version != 1 or code not in DTYPES:

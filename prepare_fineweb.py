@@ -402,7 +402,8 @@ def prepare(inputs, output_dir, *, text_key="text", workers=1, chunk_bytes=CHUNK
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fineweb-edu")
     parser.add_argument("--sample", choices=SAMPLES, default="10BT")
     parser.add_argument("--data-dir", default="fineweb_edu", help="hub cache for the download")
@@ -422,7 +423,10 @@ def main(argv=None):
     try:
         if os.path.exists(output_dir) and not os.path.isdir(output_dir):
             raise ValueError(f"{output_dir}: a file, not a directory; choose another --output-dir")
-        inputs = find_inputs(args.input) if args.input else download(args.dataset, args.sample, args.data_dir)
+        if args.input:
+            inputs = find_inputs(args.input)
+        else:
+            inputs = download(args.dataset, args.sample, args.data_dir)
         prepare(inputs, output_dir, text_key=args.text_key, workers=args.workers,
                 chunk_bytes=args.chunk_bytes, val_tokens=args.val_tokens)
     except (ValueError, OSError) as e:  # ours name their file, WriteError's too ("cannot write F")

@@ -427,8 +427,9 @@ class Evaluator:
         return True
 
     def validate(self, model, step, head, stop):
-        """Log the mean loss over the validation windows; False if a stop came during it or a
-        data error (a file cut short), which every rank then stops on and checkpoints, as in training."""
+        """Log the mean loss over the validation windows; False if a stop came during it, or a
+        data error (a file cut short), which every rank then stops on and checkpoints, as in
+        training."""
         rank, world_size = rank_and_world_size()
         batch_size = self.cfg.local_batch_size
         # Rank r scores windows r, r + W, ...; every rank runs as many forwards, since a sharded
