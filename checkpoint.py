@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from atomic_io import atomic_write, error_reason, fsync_dir, lock_holder
-from hf_files import from_pretrained, probe_logits, probe_model, resolve_pretrained
+from hf_files import (FINGERPRINT_TOLERANCE, HF_CONFIG_KEYS, fingerprint_difference,
+                      from_pretrained, resolve_pretrained)
 from indexed_dataset import first_samples_agree, train_samples
 from model import GPT, GPTConfig, local_block
 from processes import (any_rank, barrier, broadcast_object, first_line, is_master, on_each_node,
@@ -95,7 +96,9 @@ def checkpoint_problem(path, load=None):
     if problem is None and load is not None:
         try:
             load(path)
-        # Whatever failed to read, the checkpoint is the problem; DCP's error is no Exception.
+        except CodeChanged:
+            raise  # the code changed, not the checkpoint
+        # Whatever else failed to read, the checkpoint is the problem; DCP's error is no Exception.
         except (Exception, dcp.CheckpointException) as e:
             problem = load_error(e)
     return problem
@@ -192,15 +195,35 @@ def assert_finite(model, what, out_dir):
 BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def training_state(model, optimizer, step):
-    """The state dict that a checkpoint at `step` holds. Before the first update AdamW has no
-    state, and get_state_dict would make one up (step 1, zero moments) that changes every later
-    update: a step-0 checkpoint holds the model alone."""
-    if step == 0:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer, options=BY_NAME)
-    per_parameter = {key: value for key, value in optim_state.items() if key.startswith("state.")}
-    return {"model": model_state, "optim": per_parameter}
+def training_state(model, optimizer, step, extra_state):
+    """The state dict that a checkpoint at `step` holds: the model, the optimizer's moments and
+    `extra_state` (train_gpt2.build_extra_state: an edit's own, such as an EMA of the weights).
+    Before the first update AdamW has no state, and get_state_dict would make one up (step 1,
+    zero moments) that changes every later update: a step-0 checkpoint holds no optimizer."""
+    state = {"model": get_model_state_dict(model)}
+    if step > 0:
+        state["model"], optim_state = get_state_dict(model, optimizer, options=BY_NAME)
+        state["optim"] = {key: value for key, value in optim_state.items()
+                          if key.startswith("state.")}
+    if extra_state:
+        state["extra"] = extra_state
+    return state
+
+
+def state_keys(state, prefix=""):
+    """The flat keys of a nested state dict, as DCP names them in its metadata ("optim.state.x")."""
+    keys = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            keys += state_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def saved_state_keys(path):
+    """The flat keys of the state that checkpoint `path` holds, read from DCP's metadata."""
+    return list(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 def rng_state():
@@ -241,7 +264,7 @@ def fsync_tree(path):
 WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # so one checkpoint write at a time
 
 
-def save_checkpoint(cfg, model, optimizer, step, data, group=None):
+def save_checkpoint(cfg, model, optimizer, step, data, extra_state, group=None):
     """Checkpoint `step`: the state, the random generators and train_state.json as they are now; a
     Future of write_checkpoint's (path, seconds). Every rank calls it. Under async_checkpoint the
     state is copied to CPU memory (dcp.async_save) and a thread writes it beside training."""
@@ -256,7 +279,7 @@ def save_checkpoint(cfg, model, optimizer, step, data, group=None):
         shutil.rmtree(tmp, ignore_errors=True)  # our own leftover of an interrupted write
         os.makedirs(tmp)
     barrier()
-    state = training_state(model, optimizer, step)
+    state = training_state(model, optimizer, step, extra_state)
     train_state = dict(step=step, consumed_samples=step * cfg.global_batch_size, **data,
                        world_size=dist.get_world_size() if dist.is_initialized() else 1,
                        config=dataclasses.asdict(cfg),
@@ -329,10 +352,11 @@ class Checkpoints:
             timeout = datetime.timedelta(seconds=cfg.dist_timeout_s)
             self.group = dist.new_group(backend="gloo", timeout=timeout)
 
-    def save(self, model, optimizer, step, data, wait=False):
+    def save(self, model, optimizer, step, data, extra_state, wait=False):
         t0 = time.perf_counter()
         self.wait()
-        self.written = save_checkpoint(self.cfg, model, optimizer, step, data, self.group)
+        self.written = save_checkpoint(self.cfg, model, optimizer, step, data, extra_state,
+                                       self.group)
         self.waited = time.perf_counter() - t0
         if wait or not self.cfg.async_checkpoint:
             self.wait()
@@ -355,13 +379,6 @@ class Checkpoints:
 def tensor_shapes(model):
     """{name: shape} of each tensor a checkpoint of `model` holds (global shapes, also sharded)."""
     return {name: list(tensor.shape) for name, tensor in get_model_state_dict(model).items()}
-
-
-def model_probe(config):
-    """A few of the logits of probe_model(config): what model.py computes, recorded in every
-    checkpoint, so that a resume notices an edit that changes no tensor's name or shape."""
-    _, logits = probe_logits(probe_model(config))
-    return [round(value, 6) for value in logits[0, :8, :8].flatten().tolist()]
 
 
 def model_differences(saved, now):
@@ -403,46 +420,72 @@ def load_model(name_or_path):
     models = {}
 
     def load(path):
-        models[path] = GPT(GPTConfig(**read_train_state(path)["model_config"]))
+        models[path] = GPT(saved_model_config(path))
         load_weights(path, models[path])
 
     return models[resolve_checkpoint(name_or_path, load)]
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size", "padded_vocab_size", "activation")
+class CodeChanged(ValueError):
+    """A sound checkpoint that the code as it is now cannot take (a GPTConfig field, the training
+    state): said in one line, and never a reason to set the checkpoint aside as damaged."""
 
 
-def config_architecture(cfg):
-    """The GPTConfig fields that the config sets."""
-    return dict(block_size=cfg.seq_length, **{key: getattr(cfg, key) for key in ARCHITECTURE})
+def saved_model_config(path):
+    """The GPTConfig that checkpoint `path` was written with. A field that model.py's GPTConfig
+    lacks, or has and the checkpoint lacks, is one line naming it."""
+    saved = read_train_state(path)["model_config"]
+    fields = {field.name: field for field in dataclasses.fields(GPTConfig)}
+    unknown = [f"{name}={saved[name]!r}" for name in saved if name not in fields]
+    missing = [f"{name} (default {fields[name].default!r})" for name in fields if name not in saved]
+    if unknown:
+        raise CodeChanged(f"{path}: the checkpoint's model has {', '.join(unknown)}, which "
+                          "model.py's GPTConfig lacks; add the field back to read it")
+    if missing:
+        raise CodeChanged(f"{path}: model.py's GPTConfig has {', '.join(missing)}, which the "
+                          "checkpoint's model lacks (it was written before the field was added); "
+                          "start the edited model from these weights in a new out_dir with "
+                          "--init_from")
+    return GPTConfig(**saved)
+
+
+def model_config_of(cfg):
+    """The GPTConfig that a TrainConfig describes: its GPTConfig fields, every one of them, with
+    block_size seq_length's where the config leaves it None."""
+    values = {field.name: getattr(cfg, field.name) for field in dataclasses.fields(GPTConfig)}
+    values["block_size"] = cfg.block_size or cfg.seq_length
+    return GPTConfig(**values)
 
 
 def starting_point(cfg, resume_path):
     """(GPTConfig, (kind, source)) of the first weights: "resume", "checkpoint" (init_from a run),
     "hf" (a Hugging Face model, with our padded_vocab_size) or "seed" (GPT-2's init)."""
+    configured = model_config_of(cfg)
     if resume_path is not None:
-        model_config = GPTConfig(**read_train_state(resume_path)["model_config"])
-        differ = [f"{k} {getattr(model_config, k)} (config: {getattr(cfg, k)})"
-                  for k in ARCHITECTURE if getattr(model_config, k) != getattr(cfg, k)]
+        model_config = saved_model_config(resume_path)
+        differ = [f"{field} {value!r} (config: {getattr(configured, field)!r})"
+                  for field, value in dataclasses.asdict(model_config).items()
+                  if value != getattr(configured, field)]
         if differ and cfg.init_from is None:
             raise ValueError(f"{resume_path}: the checkpoint to resume from has "
                              f"{', '.join(differ)}; use the checkpoint's architecture or "
                              "another out_dir")
         return model_config, ("resume", resume_path)
     if cfg.init_from is None:
-        return GPTConfig(**config_architecture(cfg)), ("seed", cfg.seed)
+        return configured, ("seed", cfg.seed)
     if is_run_or_checkpoint(cfg.init_from):  # a run's weights
-        path, model_config = on_rank0(lambda: init_checkpoint(cfg.init_from))
+        path = on_rank0(lambda: init_checkpoint(cfg.init_from, cfg.init_from_partial))
         if cfg.init_from_partial:
-            model_config = config_architecture(cfg)
-        return GPTConfig(**model_config), ("checkpoint", path)
-    # A hub id is downloaded by each node into its own cache.
+            return configured, ("checkpoint", path)
+        return saved_model_config(path), ("checkpoint", path)
+    # A hub id is downloaded by each node into its own cache. The fields that config.json sets
+    # are its own; padded_vocab_size and any field an edit added are the config's.
     directory, hf_config = on_each_node(lambda: resolve_pretrained(cfg.init_from))
-    hf_config = dataclasses.replace(hf_config, padded_vocab_size=cfg.padded_vocab_size)
-    return hf_config, ("hf", directory)
+    from_file = {field: getattr(hf_config, field) for field in HF_CONFIG_KEYS.values()}
+    return dataclasses.replace(configured, **from_file), ("hf", directory)
 
 
-def init_checkpoint(source):
+def init_checkpoint(source, partial=False):
     """The checkpoint that init_from `source` names: itself, or a finished run's newest usable one.
     A run still training may delete a checkpoint while it is read: then name one yourself."""
     holder = lock_holder(os.path.join(source, ".lock"))
@@ -451,8 +494,8 @@ def init_checkpoint(source):
         example = newest[-1] if newest else os.path.join(source, "ckpt", "step_N")
         raise ValueError(f"init_from {source}: that run is still training ({holder}) and may delete "
                          f"its checkpoints while they are read; name one, e.g. {example}")
-    path = resolve_checkpoint(source, load=lambda path: read_train_state(path)["model_config"])
-    return path, read_train_state(path)["model_config"]
+    # With init_from_partial the model is the config's, so the saved one need not fit the code.
+    return resolve_checkpoint(source, load=read_train_state if partial else saved_model_config)
 
 
 def load_init_checkpoint(path, model, partial=False):
@@ -477,11 +520,12 @@ def load_init_checkpoint(path, model, partial=False):
             "not used); the optimizer starts afresh")
 
 
-def load_state(path, model, optimizer):
-    """Load checkpoint `path` into the model, the optimizer and the random generators; its
-    train_state.json. The optimizer keeps its own groups; each parameter gets its saved moments."""
+def load_state(path, model, optimizer, extra_state):
+    """Load checkpoint `path` into the model, the optimizer, the extra state (in place) and the
+    random generators; its train_state.json. The optimizer keeps its own groups; each parameter
+    gets its saved moments."""
     train_state = read_train_state(path)
-    state = training_state(model, optimizer, train_state["step"])
+    state = training_state(model, optimizer, train_state["step"], extra_state)
     dcp.load(state, checkpoint_id=path)  # in place
     if "optim" in state:
         _, groups = get_state_dict(model, optimizer, options=BY_NAME)
@@ -505,7 +549,7 @@ def load_state(path, model, optimizer):
     return train_state
 
 
-def load_checkpoint(ckpt_path, model, optimizer):
+def load_checkpoint(ckpt_path, model, optimizer, extra_state):
     """Load the newest checkpoint that loads on every rank, from `ckpt_path` back; one that fails
     on any rank is set aside as damaged. Its train_state.json."""
     ckpt_root = os.path.dirname(ckpt_path)
@@ -513,7 +557,7 @@ def load_checkpoint(ckpt_path, model, optimizer):
     for path in [ckpt_path] + broadcast_object(older):
         error = None
         try:
-            train_state = load_state(path, model, optimizer)
+            train_state = load_state(path, model, optimizer, extra_state)
         except (Exception, dcp.CheckpointException) as e:
             error = load_error(e)
         if not any_rank(error is not None):
@@ -533,7 +577,21 @@ TUNABLE = ("max_steps", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "beta
            "adam_eps", "grad_clip", "muon_lr", "muon_momentum", "muon_scalar_lr", "muon_embed_lr")
 
 
-def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
+def state_difference(path, model, optimizer, extra_state):
+    """How the keys of checkpoint `path`'s state differ from those the code saves now (an EMA an
+    edit added, another optimizer's moments), as a phrase; empty where they are the same."""
+    step, saved = on_rank0(lambda: (read_train_state(path)["step"], saved_state_keys(path)))
+    now = state_keys(training_state(model, optimizer, step, extra_state))
+    phrases = []
+    for what, keys in (("the code has", [k for k in now if k not in saved]),
+                       ("the checkpoint has", [k for k in saved if k not in now])):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            phrases.append(f"{what} {', '.join(keys[:3])}{more}")
+    return "; ".join(phrases)
+
+
+def resume(resume_path, model, optimizer, extra_state, cfg, data, log, train_data=None):
     """Load the checkpoint: (its step, 'key a -> b' for each TUNABLE key the config changed). A
     change to the tokens the run sees, or to their order, is refused unless
     resume_allow_data_change."""
@@ -545,15 +603,20 @@ def resume(resume_path, model, optimizer, cfg, data, log, train_data=None):
     if differ:  # every checkpoint would fail to load, and none of them is damaged
         raise ValueError(f"{resume_path}: the model is not the one this run trained "
                          f"({'; '.join(differ)}); {edited} --init_from_partial=True")
-    drift = max(abs(a - b) for a, b in zip(train_state["probe"], data["probe"]))
-    if drift > 1e-4:  # the same tensors, computed with otherwise
-        raise ValueError(f"{resume_path}: model.py computes otherwise than when this run's "
-                         f"checkpoints were written (the same tensors; a probe's logits differ by "
-                         f"up to {drift:.3g}); {edited}")
+    drift = fingerprint_difference(train_state["function"], data["function"])
+    if drift > FINGERPRINT_TOLERANCE:  # the same tensors, computed with otherwise
+        raise CodeChanged(f"{resume_path}: model.py computes otherwise than when this run's "
+                          f"checkpoints were written (the same tensors; the logits over the whole "
+                          f"context moved by up to {drift:.3g}); {edited}")
     saved = train_state["config"]["optimizer"]
     if saved != cfg.optimizer:  # its state would not fit: every checkpoint would fail to load
         raise ValueError(f"{resume_path}: the run was trained with --optimizer={saved}; resume so")
-    train_state = load_checkpoint(resume_path, model, optimizer)
+    state_change = state_difference(resume_path, model, optimizer, extra_state)
+    if state_change:
+        raise CodeChanged(f"{resume_path}: the code's training state is not the checkpoint's "
+                          f"({state_change}); undo the edit that changed it, or start from these "
+                          f"weights in a new out_dir with --init_from={run}")
+    train_state = load_checkpoint(resume_path, model, optimizer, extra_state)
     step, saved = train_state["step"], train_state["config"]
     if cfg.eval_only:  # an evaluation reads no training data and needs no step budget
         return step, []

@@ -82,7 +82,6 @@ def field_value(field, value, text=None):
 # nanoGPT's train.py keys that are not ours, and where each one's meaning lives here.
 NANOGPT_KEYS = {
     "learning_rate": "it is --lr (the peak learning rate)",
-    "block_size": "it is --seq_length (tokens per training sequence)",
     "max_iters": "it is --max_steps (optimizer steps of global_batch_size sequences)",
     "lr_decay_iters": "the cosine decay always ends at --max_steps",
     "warmup_iters": "it is --lr_warmup_steps",
@@ -96,7 +95,6 @@ NANOGPT_KEYS = {
                                    "(local_batch_size x world size); set --global_batch_size = "
                                    "gradient_accumulation_steps x batch_size",
     "dropout": "the model has no dropout (GPT-2 pretraining uses none); remove the key",
-    "bias": "the model always has GPT-2's biases",
     "dataset": "it is --data_paths (a prefix, glob or blend list of token datasets)",
     "always_save_checkpoint": "a checkpoint is written every --ckpt_every_steps and at the end",
     "backend": "the backend follows the device: nccl on GPUs, gloo on CPU",
@@ -131,22 +129,52 @@ def exec_config(path):
 
 
 def config_help(config_class):
-    """Every key with its type, default and comment, grouped as in the dataclass's source."""
+    """Every key with its type, default and comment, grouped as in the dataclasses' source: the
+    fields of each dataclass that `config_class` derives from (model.GPTConfig's), then its own.
+    A field declared again further down (another default) is listed once, in its first place."""
     lines = ["usage: [torchrun ...] train_gpt2.py [CONFIG.py | RECIPE.yaml] ... [--key=value ...]",
              "Config files (Python assignments, or NeMo AutoModel's YAML recipe) and overrides "
              "apply in order.",
              "Keys, as --key: type = default  # what it does:"]
-    for line in inspect.getsource(config_class).splitlines()[2:]:
-        code, _, comment = (part.strip() for part in line.partition("#"))
-        if not code:  # a comment line of its own opens a group
-            if lines[-1].startswith("  --"):
+    classes = [cls for cls in reversed(config_class.__mro__) if dataclasses.is_dataclass(cls)]
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    groups = {cls: field_groups(cls, fields) for cls in classes}
+    latest = {name: line for cls in classes for group in groups[cls] for name, line in group[1]}
+    listed = set()
+    for cls in classes:
+        if cls is not config_class:
+            lines.append(f"# {cls.__name__} ({cls.__module__}.py): each of its fields is a key")
+        for comments, group in groups[cls]:
+            group = [(name, latest[name]) for name, _ in group if name not in listed]
+            if not group:
+                continue  # a group that only gives other defaults, listed in its first place
+            if comments and lines[-1].startswith("  --"):
                 lines.append("")
-            lines.append(f"# {comment}")
-        elif comment:
-            lines.append(f"  --{code}  # {comment}")
-        else:
-            lines.append(f"  --{code}")
-    return "\n".join(lines)
+            lines += [f"# {comment}" for comment in comments]
+            lines += [f"  --{line}" for _, line in group]
+            listed.update(name for name, _ in group)
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
+
+
+def field_groups(cls, fields):
+    """The fields in the source of dataclass `cls`, as (comment lines, [(name, "code  # comment")])
+    groups: a comment line of its own opens a group."""
+    groups = []
+    for line in inspect.getsource(cls).splitlines()[2:]:
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        name = code.split(":")[0]
+        if code and name not in fields:
+            break  # past the fields: the class's methods
+        if not code and comment:
+            if not groups or groups[-1][1]:
+                groups.append(([], []))
+            groups[-1][0].append(comment)
+        elif code:
+            if not groups:
+                groups.append(([], []))
+            groups[-1][1].append((name, f"{code}  # {comment}" if comment else code))
+    return groups
 
 
 # NeMo AutoModel's recipe (examples/llm_pretrain/megatron_pretrain_gpt2.yaml) and our keys

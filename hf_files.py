@@ -4,6 +4,7 @@ import ctypes
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
@@ -36,7 +37,6 @@ def from_pretrained(name_or_path, padded_vocab_size=None):
     with parameters_on_meta():  # no random init: every parameter is read from the file
         model = GPT(dataclasses.replace(config, padded_vocab_size=padded_vocab_size))
     materialize(model, "cpu")
-    model.lm_head.weight = model.transformer.wte.weight  # to_empty() made two of the tied one
     load_hf_sharded(model, directory)
     return model
 
@@ -139,17 +139,20 @@ def load_hf_sharded(model, name_or_path):
         with safe_open(path, "pt") as f:  # opened per tensor: its mapped pages go once read
             return f.get_slice(key)[index]
 
-    params = dict(model.named_parameters())  # the tied weight once, as transformer.wte.weight
-    untied = torch.zeros(1, device=next(iter(params.values())).device)  # lm_head's rows differ
+    params = dict(model.named_parameters())  # a tied head once, as transformer.wte.weight
+    tied = is_tied(model)
+    untied = torch.zeros(1, device=next(iter(params.values())).device)  # the file's head differs
     for name, p in params.items():
         local, index = local_block(p)
         if name.endswith(CONV1D_WEIGHTS):  # our rows of a Conv1D weight are the file's columns
             local.copy_(read(name, index[::-1]).t())
-        elif name in ("transformer.wte.weight", "lm_head.weight"):  # lm_head: to_empty()'s copy
+        elif name in ("transformer.wte.weight", "lm_head.weight"):
             stop = min(index[0].stop, config.vocab_size)
             in_file = (slice(min(index[0].start, stop), stop), *index[1:])
-            rows = read("transformer.wte.weight", in_file)
-            if "lm_head.weight" in sources:
+            # A head of its own reads the file's head, or its wte where the file is tied.
+            key = name if name in sources else "transformer.wte.weight"
+            rows = read(key, in_file)
+            if tied and "lm_head.weight" in sources:
                 untied += not torch.equal(rows, read("lm_head.weight", in_file))
             local[:rows.size(0)].copy_(rows)
             local[rows.size(0):].zero_()  # the padded rows, past vocab_size
@@ -158,14 +161,16 @@ def load_hf_sharded(model, name_or_path):
     if any(isinstance(p, DTensor) for p in params.values()):  # so that every rank fails alike
         dist.all_reduce(untied)
     if untied.item():
-        raise ValueError(f"{sources['lm_head.weight'][1]}: lm_head.weight differs from wte.weight "
-                         f"(untied embeddings are not supported)")
+        raise ValueError(f"{sources['lm_head.weight'][1]}: lm_head.weight differs from wte.weight, "
+                         f"and model.py ties its head to wte (delete the tie in GPT.__init__ to "
+                         f"load a head of its own)")
 
 
-def gpt2_shapes(config):
+def gpt2_shapes(config, tied=True):
     """Tensor name -> shape in a Hugging Face GPT-2 file of `config`'s sizes (Conv1D layout, real
-    vocabulary rows). Written out from GPT-2's architecture, not read off model.py's classes, so
-    that an edited model is held to what transformers' GPT-2 computes."""
+    vocabulary rows), with lm_head.weight where the head is not tied. Written out from GPT-2's
+    architecture, not read off model.py's classes, so that an edited model is held to what
+    transformers' GPT-2 computes."""
     C = config.n_embd
     shapes = {"transformer.wte.weight": (config.vocab_size, C),
               "transformer.wpe.weight": (config.block_size, C)}
@@ -176,19 +181,29 @@ def gpt2_shapes(config):
     for i in range(config.n_layer):
         shapes.update({f"transformer.h.{i}.{name}": shape for name, shape in block.items()})
     shapes["transformer.ln_f.weight"] = shapes["transformer.ln_f.bias"] = (C,)
+    if not tied:
+        shapes["lm_head.weight"] = (config.vocab_size, C)
     return shapes
+
+
+def is_tied(model):
+    """Whether the model's head is its token embedding (GPT-2's tie), as model.py decides."""
+    model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
+    return model.lm_head.weight is model.transformer.wte.weight
 
 
 def export_problems(model):
     """Why `model` cannot be written as GPT-2, one phrase per tensor: one that GPT-2 lacks or has
     in another shape, or one of GPT-2's that the model lacks (a missing bias is a zero bias)."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
-    expected, ours = gpt2_shapes(model.config), {}
+    expected, ours = gpt2_shapes(model.config, is_tied(model)), {}
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue  # the head is wte (checked below); a causal mask is GPT-2's own
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # a causal mask is GPT-2's own
+        if name == "lm_head.weight" and is_tied(model):
+            continue  # the same tensor as wte
         shape = tuple(tensor.shape)
-        if name == "transformer.wte.weight":
+        if name in ("transformer.wte.weight", "lm_head.weight"):
             shape = (model.config.vocab_size, *shape[1:])  # the padded rows are not written
         if name.endswith(CONV1D_WEIGHTS):
             shape = shape[::-1]
@@ -199,81 +214,107 @@ def export_problems(model):
             problems.append(f"{name} of shape {list(ours[name])}, GPT-2's is {list(shape)}")
         elif name not in ours and not name.endswith(".bias"):
             problems.append(f"no {name}, which GPT-2 computes with")
-    if model.lm_head.weight is not model.transformer.wte.weight:
-        problems.append("lm_head.weight apart from wte (GPT-2's head is its token embedding)")
     return problems
 
 
-def transformers_difference(directory, model):
-    """The largest |difference| between the fp32 logits of `model` and of transformers' reading of
-    the export in `directory`, on a probe batch of random token ids."""
-    import transformers  # not a requirement of the project: the caller checks that it is there
-    transformers.logging.set_verbosity_error()  # its "newly initialized" warnings: we measure
-    transformers.logging.disable_progress_bar()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    was_training = model.training
-    ids, ours = probe_logits(model.eval())
-    model.train(was_training)
-    with torch.no_grad():
-        return (ours - theirs(ids).logits).abs().max().item()
-
+# ------------------------------------------------------------------- the check of the model's function
 
 EXPORT_TOLERANCE = 1e-4  # fp32 logits: an unedited model differs by about 1e-6
 
 
-def probe_model(config):
-    """A small model of `config`'s architecture (2 layers, 512 tokens), built from model.py's
-    classes as they are now, with weights fixed by a seed: what checks of the model's function
-    run, on the CPU in fp32."""
-    small = dataclasses.replace(config, n_layer=min(config.n_layer, 2), padded_vocab_size=None,
-                                vocab_size=min(config.vocab_size, 512))
+def check_model(config):
+    """The model that the check of what model.py computes runs: `config`'s architecture as it is
+    (every layer, the whole vocabulary), built from model.py's classes as they are now, on the CPU
+    in fp32. Its weights are its init moved by a seeded draw, so that no parameter sits at a value
+    (a zero gate, a unit gain) where an edit's effect would vanish, and each matrix is large enough
+    (std 1/sqrt(fan_in)) that every layer moves the logits: GPT-2's init of 0.02 leaves attention
+    almost uniform, and an edit of it almost unseen."""
     with torch.random.fork_rng(devices=[]):  # the run's own random numbers stay untouched
         torch.manual_seed(0)
-        model = GPT(small)
-        with torch.no_grad():  # biases and gains off their init, so that the probe sees them
-            for p in model.parameters():
-                if p.dim() == 1:
-                    p.add_(torch.randn_like(p) * 0.1)
+        with parameters_on_meta():
+            model = GPT(config)
+        materialize(model, "cpu")
+        model.init_weights()
+        with torch.no_grad():
+            for param in model.parameters():
+                std = 0.1 if param.dim() < 2 else param.size(-1) ** -0.5
+                param.add_(torch.randn_like(param) * std)
     return model.eval()
 
 
-def probe_logits(model):
-    """`model`'s fp32 logits on two sequences of random token ids."""
+def check_ids(config):
+    """One sequence of seeded random token ids over the model's whole context."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(model.config.vocab_size, (2, min(64, model.config.block_size)),
-                        generator=generator)
+    return torch.randint(config.vocab_size, (1, config.block_size), generator=generator)
+
+
+@torch.no_grad()
+def fingerprint(logits):
+    """Two numbers per position of `logits` (1, T, vocab): the log-sum-exp, and the logits'
+    projection on a fixed random direction. Every logit at every position moves them, so a resume
+    compares what the model computes, not a corner of it, in a few kilobytes of JSON."""
+    direction = torch.randn(logits.size(-1), generator=torch.Generator().manual_seed(0))
+    direction /= direction.norm()
+    summary = torch.stack([logits.logsumexp(-1), logits @ direction], dim=-1)
+    return [round(value, 6) for value in summary.flatten().tolist()]
+
+
+def fingerprint_difference(saved, now):
+    """The largest difference between two fingerprints; inf where their lengths differ."""
+    if len(saved) != len(now):
+        return math.inf
+    return max((abs(a - b) for a, b in zip(saved, now)), default=0.0)
+
+
+FINGERPRINT_TOLERANCE = 1e-3  # float noise between machines and thread counts: about 1e-5
+
+
+def transformers_logits(directory, ids):
+    """The fp32 logits that transformers' reading of the export in `directory` computes on `ids`."""
+    import transformers  # not a requirement of the project: the caller checks that it is there
+    transformers.logging.set_verbosity_error()  # its "newly initialized" warnings: we measure
+    transformers.logging.disable_progress_bar()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     with torch.no_grad():
-        return ids, model(ids)[0].float()
+        return theirs(ids).logits
 
 
-def export_check(config):
-    """(whether hf/ can be written, the line that says so) for a model of `config`'s architecture:
-    probe_model(config) is exported to a temporary directory and read back with transformers,
-    where it is installed, and the logits compared."""
-    model = probe_model(config)
+def check_function(config, export=True):
+    """What train_gpt2.py checks before step 1: (whether hf/ will be written, the line that says
+    so, the fingerprint that every checkpoint records). check_model(config) runs over its whole
+    context; with `export`, its export is read back by transformers, where that is installed, and
+    the logits of every position compared."""
+    model, ids = check_model(config), check_ids(config)
+    with torch.no_grad():
+        logits = model(ids)[0].float()
+    found = fingerprint(logits)
+    if not export:
+        return False, "hf/ will not be written (hf_export='off')", found
     problems = export_problems(model)
     if problems:
         return False, (f"hf/ will not be written: the model is not GPT-2's architecture "
-                       f"({'; '.join(problems[:3])})")
+                       f"({'; '.join(problems[:3])})"), found
     if importlib.util.find_spec("transformers") is None:
         return True, ("hf/: the tensors are GPT-2's by name and shape; whether transformers "
-                      "computes what the model does was not checked (transformers is not installed)")
+                      "computes what the model does was not checked (transformers is not "
+                      "installed)"), found
     with tempfile.TemporaryDirectory() as tmp:
-        export_hf(model, os.path.join(tmp, "hf"))
-        difference = transformers_difference(os.path.join(tmp, "hf"), model)
+        export_hf(model, os.path.join(tmp, "hf"), durable=False)
+        difference = (logits - transformers_logits(os.path.join(tmp, "hf"), ids)).abs().max().item()
+    where = f"on {ids.size(1)} positions of seeded weights"
     if difference > EXPORT_TOLERANCE:
         return False, (f"hf/ will not be written: transformers' GPT-2 computes other logits from "
-                       f"the same weights (largest difference {difference:.3g} on a probe batch; "
-                       f"model.py computes something GPT-2 does not)")
+                       f"the same weights (largest difference {difference:.3g} {where}; "
+                       f"model.py computes something GPT-2 does not)"), found
     return True, (f"hf/: transformers' GPT-2 computes the model's logits (largest difference "
-                  f"{difference:.1e} on a probe batch)")
+                  f"{difference:.1e} {where})"), found
 
 
-def hf_config(cfg, dtype):
+def hf_config(cfg, dtype, tied=True):
     """transformers' config.json for a GPT2LMHeadModel of our config's shapes and activation."""
     # GPT-2's <|endoftext|> said outright: transformers assumes it even where no such id exists
     endoftext = 50256 if cfg.vocab_size > 50256 else None
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": True,
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "tie_word_embeddings": tied,
             "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
             "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
             "activation_function": cfg.activation, "layer_norm_epsilon": cfg.layer_norm_eps,
@@ -282,16 +323,18 @@ def hf_config(cfg, dtype):
 
 
 @torch.no_grad()
-def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, check=None):
+def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, check=None,
+              durable=True):
     """Write `model` (plain, compiled or FSDP2; every rank calls) as save_pretrained does, swapped
-    in whole: a reader finds the old directory or the new one, never a half-written one. check(),
-    given the written directory, may refuse it by raising, before it is swapped in."""
+    in whole: a reader finds the old directory or the new one, never a half-written one. check()
+    may refuse the written directory before the swap; durable=False skips the fsyncs."""
     model = getattr(model, "_orig_mod", model)  # the module inside torch.compile(model)
     problems = export_problems(model)
     if problems:
         raise ValueError(f"{directory}: the model is not GPT-2's architecture "
                          f"({'; '.join(problems[:3])}); not written")
-    cfg, params, expected = model.config, dict(model.named_parameters()), gpt2_shapes(model.config)
+    cfg, params = model.config, dict(model.named_parameters())
+    expected = gpt2_shapes(cfg, is_tied(model))
     dtype = params["transformer.wte.weight"].dtype
     writer = not dist.is_initialized() or dist.get_rank() == 0
     parent, base = os.path.split(os.path.abspath(directory))
@@ -313,7 +356,7 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, chec
             tensor = tensor.full_tensor()
         if not writer:
             return None
-        if name == "transformer.wte.weight":
+        if name in ("transformer.wte.weight", "lm_head.weight"):
             tensor = tensor[:cfg.vocab_size]
         if name.endswith(CONV1D_WEIGHTS):
             tensor = tensor.t()
@@ -323,7 +366,7 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, chec
     split = huggingface_hub.split_torch_state_dict_into_shards(
         {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in expected.items()},
         max_shard_size=max_shard_size)
-    files = {"config.json": hf_config(cfg, dtype)}
+    files = {"config.json": hf_config(cfg, dtype, is_tied(model))}
     if split.is_sharded:
         files["model.safetensors.index.json"] = {"metadata": split.metadata,
                                                  "weight_map": split.tensor_to_filename}
@@ -340,10 +383,7 @@ def export_hf(model, directory, max_shard_size=5 * 10**9, extra_files=None, chec
             pathlib.Path(new, name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
         if extra_files is not None:
             extra_files(new)  # e.g. the tokenizer's files, inside the same swap
-        for name in os.listdir(new):
-            os.chmod(os.path.join(new, name), 0o644)  # safetensors creates 0600 files
-            _fsync(os.path.join(new, name))
-        _fsync(new)
+        _settle(new, durable)
         if check is not None:
             check(new)
         swap_in(new, directory)
@@ -380,6 +420,16 @@ def swap_in(new, directory):
         os.rename(new, directory)
     _fsync(parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _settle(directory, durable):
+    """Make the files in `directory` readable by all (safetensors creates 0600 files) and, where
+    `durable`, fsync each of them and then the directory."""
+    for name in os.listdir(directory):
+        os.chmod(os.path.join(directory, name), 0o644)
+    if durable:
+        for name in [*os.listdir(directory), "."]:
+            _fsync(os.path.join(directory, name))
 
 
 def _fsync(path):

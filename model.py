@@ -28,8 +28,10 @@ ACTIVATIONS = {
 
 @dataclasses.dataclass
 class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50257
+    # The model's one description: each field is a train_gpt2.py config key and is recorded in
+    # every checkpoint, so that a field added here reaches the model from the command line.
+    block_size: int = 1024  # positions (rows of wpe): the longest sequence the model reads
+    vocab_size: int = 50257  # GPT-2's BPE
     # rows of wte and lm_head, e.g. 50304 (a multiple of 64): aligned matmuls run faster
     padded_vocab_size: int = None
     n_layer: int = 12
@@ -37,7 +39,7 @@ class GPTConfig:
     n_embd: int = 768
     bias: bool = True  # biases in Linears and LayerNorms, as in GPT-2
     layer_norm_eps: float = 1e-5
-    activation: str = "gelu_new"  # a key of ACTIVATIONS
+    activation: str = "gelu_new"  # the MLP's: a key of ACTIVATIONS (add yours there)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -213,6 +215,9 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, rows, bias=False)
+        # The head is the token embedding (tied, as in GPT-2). Delete this line for a head of its
+        # own: it then trains, checkpoints and exports untied (tie_word_embeddings: false).
+        self.lm_head.weight = self.transformer.wte.weight
         # Switches rather than config fields, because a checkpoint is the same either way.
         # activation_checkpointing recomputes each block in the backward: less memory, more compute
         self.activation_checkpointing = False
@@ -220,32 +225,43 @@ class GPT(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, named_parameters=None):
-        """GPT-2's init in place (also after meta and to_empty()); padded rows are zero."""
-        # Tied here rather than in __init__, because to_empty() makes two of the tied parameter.
-        self.lm_head.weight = self.transformer.wte.weight
-        # GPT-2's init: N(0, 0.02), and the projections into the residual stream (two per block)
-        # scaled by 1/sqrt(2 n_layer), so that the stream's variance does not grow with depth.
-        # A weight added by an edit falls under the same rules by its name and shape.
+    def init_weights(self):
+        """GPT-2's init in place (also after a meta build and materialize())."""
+        for _, param, fill in self.init_plan():
+            fill(param)
+
+    def init_plan(self):
+        """(name, parameter, fill) for each parameter of the modules GPT-2's init knows, as nanoGPT's
+        _init_weights: Linear and Embedding weights N(0, 0.02), the projections into the residual
+        stream (c_proj, two per block) N(0, 0.02 / sqrt(2 n_layer)) so that the stream's variance
+        does not grow with depth, biases zero, LayerNorm gains one, padded vocabulary rows zero. A
+        parameter an edit adds to a module of another kind keeps the value its __init__ gave it."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        # named_parameters() lists the tied weight once, as transformer.wte.weight
-        for name, p in named_parameters or self.named_parameters():
-            if name == "transformer.wte.weight":
-                nn.init.normal_(p[:self.config.vocab_size], std=0.02)
-                nn.init.zeros_(p[self.config.vocab_size:])
-            elif name.endswith("c_proj.weight"):
-                nn.init.normal_(p, std=residual_std)
-            elif p.dim() == 2:  # Linear and Embedding weights
-                nn.init.normal_(p, std=0.02)
-            elif name.endswith(".weight"):  # the only 1-D weights are LayerNorm gains
-                nn.init.ones_(p)
-            else:
-                nn.init.zeros_(p)
+        vocab_rows = (self.transformer.wte, self.lm_head)
+        plan, seen = [], set()  # a tied parameter is filled once, by its first module
+        for module_name, module in self.named_modules():
+            fills = {}
+            if isinstance(module, nn.Linear) and module not in vocab_rows:
+                std = residual_std if module_name.endswith("c_proj") else 0.02
+                fills = dict(weight=functools.partial(nn.init.normal_, std=std), bias=nn.init.zeros_)
+            elif isinstance(module, (nn.Embedding, nn.Linear)):
+                rows = self.config.vocab_size if module in vocab_rows else None
+                fills = dict(weight=functools.partial(normal_rows, rows=rows))
+            elif isinstance(module, nn.LayerNorm):
+                fills = dict(weight=nn.init.ones_, bias=nn.init.zeros_)
+            for name, fill in fills.items():
+                param = getattr(module, name)
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    plan.append((f"{module_name}.{name}", param, fill))
+        return plan
 
     def num_params(self, non_embedding=True):
         """Parameters as transformers counts them (real vocabulary rows), less wpe's if asked."""
-        n = sum(p.numel() for p in self.parameters())
-        n -= (self.transformer.wte.weight.size(0) - self.config.vocab_size) * self.config.n_embd
+        n = sum(p.numel() for p in self.parameters())  # a tied weight counts once
+        padded_rows = self.transformer.wte.weight.size(0) - self.config.vocab_size
+        heads = {id(self.transformer.wte.weight), id(self.lm_head.weight)}  # one if tied
+        n -= len(heads) * padded_rows * self.config.n_embd
         if non_embedding and "wpe" in self.transformer:  # a model may have positions of its own
             n -= self.transformer.wpe.weight.numel()
         return n
@@ -304,15 +320,29 @@ class GPT(nn.Module):
         return idx
 
 
+def normal_rows(weight, rows=None, std=0.02):
+    """N(0, std) in the first `rows` rows of `weight` (all by default), zero in the rest: the padded
+    vocabulary rows, which no token id reaches, stay zero."""
+    nn.init.normal_(weight[:rows], std=std)
+    nn.init.zeros_(weight[weight.size(0) if rows is None else rows:])
+
+
+# The modules whose parameters GPT.init_plan fills: a meta build needs no values for them.
+INIT_BY_PLAN = (nn.Linear, nn.Embedding, nn.LayerNorm)
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Build modules with their parameters on the meta device (no memory, no init yet) and their
-    buffers computed on the CPU as __init__ computes them: materialize() then keeps a buffer's
-    values (a rotary table, a mask), where a meta build and to_empty() alone leave garbage."""
+    buffers computed on the CPU as __init__ computes them. A parameter of a module that init_plan
+    does not fill (one an edit adds) keeps its __init__ value on the side, as buffers do:
+    materialize() puts both back, where a meta build and to_empty() alone leave garbage."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
         if param is not None and param.device.type != "meta":
+            if not isinstance(module, INIT_BY_PLAN):
+                module.__dict__.setdefault("_init_values", {})[name] = param.detach().clone()
             param = nn.Parameter(param.to("meta"), param.requires_grad)
         register(module, name, param)
 
@@ -325,30 +355,39 @@ def parameters_on_meta():
 
 @torch.no_grad()
 def materialize(model, device):
-    """model.to_empty(device=device), its buffers keeping their values; the parameters' values
-    come next, from init_sharded or from a file."""
+    """model.to_empty(device=device), keeping what __init__ made: the buffers' values, the values
+    of parameters kept by parameters_on_meta (each rank its own block under FSDP2), and the
+    parameters that __init__ shared (a tied head), which to_empty() would make two of."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    first_of = {}  # each parameter's first name, and the names that share it
+    shared = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        shared[name] = first_of.setdefault(id(param), name)
     model.to_empty(device=device)
+    for name, first in shared.items():
+        if name != first and model.get_parameter(name) is not model.get_parameter(first):
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, model.get_parameter(first))
     for name, buffer in model.named_buffers():
         buffer.copy_(buffers[name])
+    for module in model.modules():
+        for name, value in module.__dict__.pop("_init_values", {}).items():
+            local, index = local_block(getattr(module, name))
+            local.copy_(value[index])
 
 
 @torch.no_grad()
 def init_sharded(model, seed):
     """`torch.manual_seed(seed); model.init_weights()` bit for bit, for a plain or FSDP2 GPT."""
-
-    def named_parameters():
-        # Every rank draws each parameter whole on the CPU, because the generator cannot skip ahead
-        # to a shard's numbers; each rank then keeps its own block.
-        for name, p in model.named_parameters():
-            local, index = local_block(p)
-            full = torch.empty(p.shape, dtype=p.dtype)
-            yield name, full
-            local.copy_(full[index])
-
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
-        model.init_weights(named_parameters())
+        # Every rank draws each parameter whole on the CPU, because the generator cannot skip ahead
+        # to a shard's numbers; each rank then keeps its own block.
+        for _, param, fill in model.init_plan():
+            local, index = local_block(param)
+            full = torch.empty(param.shape, dtype=param.dtype)
+            fill(full)
+            local.copy_(full[index])
 
 
 def local_block(param):

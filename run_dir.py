@@ -7,10 +7,12 @@ import os
 import shutil
 import time
 
+import torch
+
 from atomic_io import LockHeld, atomic_write, lock_file
 from checkpoint import (assert_finite, config_changes, newest_usable_checkpoint,
                         read_train_state, set_aside, write_json)
-from hf_files import EXPORT_TOLERANCE, export_hf, from_pretrained, transformers_difference
+from hf_files import EXPORT_TOLERANCE, check_ids, export_hf, from_pretrained, transformers_logits
 from processes import attempt, first_error, is_master, on_rank0
 from tokenizer import EOT_ID, VOCAB_SIZE, write_hf_tokenizer
 
@@ -214,7 +216,11 @@ def publish_hf(model, cfg):
     def check(directory):  # the final weights as written, read back by model.py and transformers
         if importlib.util.find_spec("transformers") is None:
             return  # export_hf checked the tensors' names and shapes
-        difference = transformers_difference(directory, from_pretrained(directory))
+        # The check before step 1 again, on the final weights over the model's whole context.
+        ours = from_pretrained(directory).eval()
+        ids = check_ids(ours.config)
+        with torch.no_grad():
+            difference = (ours(ids)[0] - transformers_logits(directory, ids)).abs().max().item()
         if difference > EXPORT_TOLERANCE:
             raise ValueError(f"{hf_dir}: not written: transformers' GPT-2 computes other logits "
                              f"from the final weights (largest difference {difference:.3g})")

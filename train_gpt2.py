@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 import hellaswag
-from checkpoint import (ARCHITECTURE, Checkpoints, data_state, last_good_checkpoint,
-                        load_init_checkpoint, model_probe, resume, starting_point)
+from checkpoint import (Checkpoints, data_state, last_good_checkpoint, load_init_checkpoint,
+                        model_config_of, resume, starting_point)
 from configurator import NANOGPT_INIT_FROM, config_help, parse_config
-from hf_files import export_check, load_hf_sharded
+from hf_files import check_function, load_hf_sharded
 from indexed_dataset import LLMCValWindows, PretrainingSampler, sequential_samples, train_samples
-from model import ACTIVATIONS, GPT, init_sharded, materialize, parameters_on_meta
+from model import GPT, GPTConfig, init_sharded, materialize, parameters_on_meta
 from processes import (StopRequest, any_rank, end_distributed, error_line, is_master, on_rank0,
                        peak_flops, peak_memory, rank_and_world_size, setup_distributed,
                        torch_version_problem)
@@ -44,7 +44,11 @@ from tokenizer import VOCAB_SIZE
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(GPTConfig):
+    # The model: each field of model.GPTConfig is a key too (--n_layer=24), and a field added there
+    # is one here. A run's defaults for two of them:
+    block_size: int | None = None  # the model's positions; None: seq_length
+    padded_vocab_size: int | None = 50304  # 50,257 rounded up to a multiple of 64: faster matmuls
     # data: token datasets written by prepare_fineweb.py (or Megatron's preprocess_data.py)
     data_paths: str | list = "fineweb_edu/megatron_gpt2/processed_data_*_text_document"  # or a blend
     index_mapping_dir: str | None = None  # the index cache; None: beside each prefix, as Megatron's
@@ -53,13 +57,7 @@ class TrainConfig:
     # prepare_fineweb.py's val_text_document) takes llm.c's windows over [EOT] + its documents
     val_data_paths: str | list | None = None
     seq_length: int = 1024
-    # model; when the weights come from init_from or a checkpoint, their architecture wins
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    vocab_size: int = 50257
-    padded_vocab_size: int | None = 50304  # rows of wte/lm_head; a multiple of 64 is faster on GPUs
-    activation: str = "gelu_new"  # the MLP's: a name in model.ACTIVATIONS (add yours there)
+    # where the weights start; when they come from init_from or a checkpoint, their model wins
     init_from: str | None = None  # None: GPT-2 init; an HF id or directory; a run or checkpoint
     # init_from a run of another model (an edited model.py): the tensors that match by name and
     # shape are loaded, the others start from their init; the model is the config's
@@ -146,7 +144,7 @@ def check_config(cfg, world_size):
         if not fine:
             raise ValueError(f"config: {key} must be {expected}, got {getattr(cfg, key)!r}")
     named = dict(device=("auto", "cuda", "cpu"), dtype=("bfloat16", "float32"),
-                 activation=tuple(ACTIVATIONS), optimizer=("adamw", "muon"),
+                 optimizer=("adamw", "muon"),
                  muon_adjust_lr=("spectral_norm", "rms_norm"), hf_export=("auto", "require", "off"))
     for key, choices in named.items():
         if getattr(cfg, key) not in choices:
@@ -181,7 +179,10 @@ def build_model(model_config, init, cfg, device):
     """The model built on the meta device and sharded with FSDP2 under torchrun; then each rank
     fills in its own rows of the weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    with parameters_on_meta():  # no memory for the weights until each rank has its shard
+    # No memory for GPT-2's weights until each rank has its shard. A parameter that an edit adds
+    # keeps its __init__ value, drawn from the seed on every rank alike.
+    with parameters_on_meta(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
         model = GPT(model_config)
     # Per block, inside FSDP's and compile's wrapping.
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -203,8 +204,6 @@ def build_model(model_config, init, cfg, device):
     if mesh is not None:
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     materialize(model, device)
-    if mesh is None:  # to_empty() gave a plain model two embedding tensors: tie them again
-        model.lm_head.weight = model.transformer.wte.weight
     # Each rank fills only its own rows: GPT-2's init drawn as one process would draw it, a Hugging
     # Face file, or another run's checkpoint.
     kind, source = init
@@ -261,6 +260,13 @@ def build_optimizer(model, cfg, device):
               dict(name="embedding", params=embeddings, weight_decay=0.0,
                    lr_scale=(cfg.muon_embed_lr or scalar_lr) / cfg.lr)]
     return [muon, torch.optim.AdamW(groups, **adamw)]
+
+
+def build_extra_state(model, cfg):
+    """Training state that an edit adds beyond the model, the optimizer and the random generators
+    (an EMA of the weights, say): {name: {key: tensor}}. Every checkpoint saves it and a resume
+    loads it in place, so the loop updates its tensors in place (docs/training.md shows an EMA)."""
+    return {}
 
 
 def lr_at(step, cfg):
@@ -448,9 +454,10 @@ class Evaluator:
             tokens, labels = (t.to(self.device, non_blocking=True) for t in batch)
             with torch.no_grad(), self.autocast:
                 _, loss = model(tokens, labels)
-            if indices:
-                totals[0] += loss.double() * labels.numel()
-                totals[1] += labels.numel()
+            if indices:  # the mean over scored tokens (labels of -100 are not scored)
+                scored = (labels != -100).sum()
+                totals[0] += loss.double() * scored
+                totals[1] += scored
         if dist.is_initialized():
             dist.all_reduce(totals)
         val_loss = (totals[0] / totals[1]).item()
@@ -535,7 +542,8 @@ class StepLog:
     def log_step(self, step, lr, host, start, end, peak_gib):
         if self.cuda:
             end.synchronize()  # the step's device work, the copy of its numbers included, is done
-        train_loss, norm = (host[:2] / self.world_size).tolist()
+        # The ranks' shares of the loss add up to the step's mean; each rank has the whole norm.
+        train_loss, norm = host[0].item(), (host[1] / self.world_size).item()
         if not (math.isfinite(train_loss) and math.isfinite(norm)):
             raise FloatingPointError(
                 f"step {step}: train loss {train_loss} / grad norm {norm} is not finite; stopped "
@@ -561,12 +569,13 @@ class Training(typing.NamedTuple):
     """What setup() hands the training loop."""
     model: torch.nn.Module
     optimizer: list  # build_optimizer's torch optimizers, stepped and saved together
+    extra_state: dict  # build_extra_state's: saved and loaded with the optimizer
     start_step: int
     batches: object  # prefetch()'s queue of each step's micro-batches
     evaluate: Evaluator
     step_log: StepLog
-    data: dict  # data_state(train_data): what each checkpoint records of the data
-    exportable: bool  # whether hf/ is written at the end (export_check)
+    recorded: dict  # what each checkpoint records for a resume to compare: data, function
+    exportable: bool  # whether hf/ is written at the end (check_function)
 
 
 def setup(cfg, world_size, device, log, stop):
@@ -593,31 +602,36 @@ def setup(cfg, world_size, device, log, stop):
     # whether its hf/ export will compute what it does.
     model_config, init = starting_point(cfg, resume_path)  # resume, init_from or the config
     # The weights' architecture wins (init_from or a checkpoint): train_config.json says so.
-    for key in ARCHITECTURE:
-        if getattr(cfg, key) != getattr(model_config, key):
-            log(f"{key} {getattr(model_config, key)} from {init[1]} "
-                f"(the config's {getattr(cfg, key)} does not apply)")
-            setattr(cfg, key, getattr(model_config, key))
+    configured = model_config_of(cfg)
+    for key, value in dataclasses.asdict(model_config).items():
+        if value != getattr(configured, key):
+            log(f"{key} {value} from {init[1]} (the config's {getattr(cfg, key)} does not apply)")
+            setattr(cfg, key, value)
     if cfg.seq_length > model_config.block_size:
         raise ValueError(f"config: seq_length {cfg.seq_length} is longer than the model's "
                          f"context ({model_config.block_size} positions)")
+    # One check of what model.py computes, over the model's whole context: whether hf/ will be
+    # written (an edited model may compute what no GPT-2 does), and the fingerprint that every
+    # checkpoint records, so that a resume notices an edit that keeps every tensor's shape.
     exportable = cfg.hf_export != "off" and not cfg.eval_only
-    if exportable:  # an edited model.py may compute what no GPT-2 does: said before step 1
-        exportable, line = on_rank0(lambda: export_check(model_config))
+    exportable, line, function = on_rank0(lambda: check_function(model_config, exportable))
+    if cfg.hf_export != "off" and not cfg.eval_only:
         log(line)
         if not exportable and cfg.hf_export == "require":
             raise ValueError(f"config: hf_export='require', and {line}")
     model = build_model(model_config, init, cfg, device)
     optimizer = build_optimizer(model, cfg, device)
+    extra_state = build_extra_state(model, cfg)
     # What each checkpoint records besides the state, for a resume to compare: the data and the
     # function that model.py computes.
-    data, step = dict(probe=on_rank0(lambda: model_probe(model_config))), 0
+    recorded, step = dict(function=function), 0
     if train_data is not None:
-        data.update(data_state(train_data))
-    # A resume loads the model, the optimizer and the random generators, after checking that
-    # neither the data nor the model changed under the run.
+        recorded.update(data_state(train_data))
+    # A resume loads the model, the optimizer, the extra state and the random generators, after
+    # checking that neither the data nor the model changed under the run.
     if resume_path is not None:
-        step, changed = resume(resume_path, model, optimizer, cfg, data, log, train_data)
+        step, changed = resume(resume_path, model, optimizer, extra_state, cfg, recorded, log,
+                               train_data)
         if changed:
             log(f"{'; '.join(changed)}: the config wins from step {step} on; "
                 f"lr at step {step} is {lr_at(step, cfg):.3e}")
@@ -633,7 +647,8 @@ def setup(cfg, world_size, device, log, stop):
                                           cfg.local_batch_size, rank, world_size))
         batches = prefetch(train_data, sampler, grad_accum_steps, model_config.vocab_size,
                            device.type == "cuda", stop)
-        return Training(model, optimizer, step, batches, evaluate, step_log, data, exportable)
+        return Training(model, optimizer, extra_state, step, batches, evaluate, step_log,
+                        recorded, exportable)
     log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the "
         "config to eval_config.json); the run's own logs are left as they are")
     if evaluate(model, step, stop):
@@ -646,13 +661,14 @@ def train(cfg, world_size, device, log, stop, checkpoints):
     training = setup(cfg, world_size, device, log, stop)
     if not isinstance(training, Training):
         return training  # an exit status: nothing left to train
-    model, optimizer, start_step, batches, evaluate, step_log, data, exportable = training
+    model, optimizer, extra_state, start_step, batches, evaluate, step_log, recorded, \
+        exportable = training
     grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
 
     def save(done, stopping=False):
         """Checkpoint after `done` steps; on a stop, the exit status 128 + signum (143 for
         SIGTERM, also on ranks that only heard of it from another), or the data error raised."""
-        checkpoints.save(model, optimizer, done, data, wait=stopping)
+        checkpoints.save(model, optimizer, done, recorded, extra_state, wait=stopping)
         if stop.error is not None:
             raise stop.error
         if stopping:
@@ -678,9 +694,15 @@ def train(cfg, world_size, device, log, stop, checkpoints):
             if world_size == 1:  # the other ranks could not join the checkpoint
                 return save(step, stopping=True)
             raise step_batches
-        # Gradient accumulation: each micro-batch's loss is scaled so that the gradient is the mean
-        # over all global_batch_size sequences, whatever the number of ranks.
-        loss_sum = torch.zeros((), device=device)
+        # Gradient accumulation: the loss is the mean over every scored token of the step (labels
+        # of -100 are not scored), on all ranks. Each micro-batch's mean is weighed by its tokens'
+        # share of the step's count; FSDP2 then averages the ranks' gradients, hence x world_size.
+        scored = [(labels != -100).sum() for _, labels in step_batches]  # on the host
+        total = torch.stack(scored).sum().to(device, non_blocking=True)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        total = total.clamp(min=1)  # a step with no scored token has loss 0, not nan
+        loss = torch.zeros((), device=device)  # this rank's share of the step's mean loss
         for micro_step, (tokens, labels) in enumerate(step_batches):
             tokens = tokens.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
@@ -688,9 +710,9 @@ def train(cfg, world_size, device, log, stop, checkpoints):
                 model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
             with evaluate.autocast:
                 _, micro_loss = model(tokens, labels)
-            (micro_loss / grad_accum_steps).backward()
-            loss_sum += micro_loss.detach()
-        loss = loss_sum / grad_accum_steps
+            share = micro_loss * scored[micro_step].item() / total
+            (share * world_size).backward()
+            loss += share.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
         # Every group follows the schedule at its own scale (Muon's matrices, a 10x embedding).
         lr = lr_at(step, cfg)

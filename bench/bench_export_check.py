@@ -1,11 +1,11 @@
-"""What the start-up checks of an edited model add to a run's start: hf_files.export_check (a small model of the
-configured architecture exported and read back with transformers) and checkpoint.model_probe (the probe recorded in
-every checkpoint), for the demo's and the 124M config's architectures, against the limits of 2 s and 10 s.
+"""What the check of the model's function adds to a run's start: hf_files.check_function (the configured model, every
+layer and the whole context, exported and read back with transformers, and the fingerprint every checkpoint records),
+for the demo's and the 124M config's architectures, against the limits of 2 s and 10 s.
 
     python bench/bench_export_check.py --rounds 5
 
 Each round runs two fresh processes, alternating: one imports what train_gpt2.py imports and builds the config's
-GPTConfig, the other does the same and then runs both checks, as setup() does before step 1. The figure is the
+GPTConfig, the other does the same and then runs the check, as setup() does before step 1. The figure is the
 difference of their medians (the checks' share of a cold start, transformers' import included).
 """
 import argparse
@@ -21,13 +21,11 @@ SCRIPT = """
 import sys, time
 t0 = time.perf_counter()
 import train_gpt2, checkpoint, hf_files
-from model import GPTConfig
 cfg = train_gpt2.load_config([{config!r}])
-config = GPTConfig(**checkpoint.config_architecture(cfg))
+config = checkpoint.model_config_of(cfg)
 if {check}:
-    exportable, line = hf_files.export_check(config)
+    exportable, line, _ = hf_files.check_function(config)
     assert exportable, line
-    checkpoint.model_probe(config)
 print(time.perf_counter() - t0)
 """
 

@@ -480,5 +480,6 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed and item.get_closest_marker("gpt2") is not None:
         report.sections.append(("GPT-2 parity", "this test checks parity with GPT-2 (transformers' model, Hugging Face "
-                                "files, parameter or FLOP counts); after an edit of model.py's architecture it is "
-                                "expected to fail, and `-m \"not gpt2\"` leaves such tests out"))
+                                "files, parameter or FLOP counts, the tied head, the training loss as plain "
+                                "cross-entropy, GPT-2's init); after an edit of model.py it is expected to fail, and "
+                                "`-m \"not gpt2\"` leaves such tests out"))

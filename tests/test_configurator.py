@@ -229,7 +229,7 @@ def test_automodels_is_async_is_async_checkpoint(data, tmp_path):
 
 
 @pytest.mark.parametrize("key, pointer", [
-    ("learning_rate", "it is --lr"), ("block_size", "it is --seq_length"), ("max_iters", "it is --max_steps"),
+    ("learning_rate", "it is --lr"), ("max_iters", "it is --max_steps"),
     ("lr_decay_iters", "the cosine decay always ends at --max_steps"), ("warmup_iters", "it is --lr_warmup_steps"),
     ("eval_interval", "it is --val_every_steps"), ("eval_iters", "--val_tokens = eval_iters x batch_size x block_size"),
     ("log_interval", "--log_every_steps"), ("batch_size", "it is --local_batch_size"),

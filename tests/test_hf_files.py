@@ -442,7 +442,7 @@ def test_without_transformers_the_export_check_holds_the_tensors_to_gpt2s_and_sa
     monkeypatch.setattr(hf_files.importlib.util, "find_spec",
                         lambda name, *args: None if name == "transformers" else real_find_spec(name, *args))
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
-    exportable, line = hf_files.export_check(config)
+    exportable, line, _ = hf_files.check_function(config)
     assert exportable and line == ("hf/: the tensors are GPT-2's by name and shape; whether transformers computes what "
                                    "the model does was not checked (transformers is not installed)")
     monkeypatch.setattr(hf_files, "GPT", type("Wider", (GPT,), {}))  # an edit that adds a tensor GPT-2 lacks
@@ -453,5 +453,70 @@ def test_without_transformers_the_export_check_holds_the_tensors_to_gpt2s_and_sa
         self.gain = torch.nn.Parameter(torch.ones(config.n_embd))
 
     monkeypatch.setattr(hf_files.GPT, "__init__", with_a_gain)
-    exportable, line = hf_files.export_check(config)
+    exportable, line, _ = hf_files.check_function(config)
     assert not exportable and line.startswith("hf/ will not be written: the model is not GPT-2's architecture (gain,")
+
+
+# ----------------------------------------------------------------------------- the check of the model's function
+
+def windowed_forward(window):
+    """CausalSelfAttention.forward attending to the last `window` positions only: the same tensors as GPT-2's."""
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
+        i = torch.arange(T)
+        near = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=near)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+    return forward
+
+
+def test_the_check_runs_the_whole_context_and_finds_a_window_past_64_positions(monkeypatch):
+    """Sliding-window attention with a window of 100: a check of the first 64 positions finds GPT-2; the check over
+    the model's whole context (128 positions) finds the difference, and its fingerprint moves too."""
+    import model as model_module
+    config = GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=2, n_embd=32)
+    exportable, line, plain = hf_files.check_function(config)
+    assert exportable and "on 128 positions" in line
+    monkeypatch.setattr(model_module.CausalSelfAttention, "forward", windowed_forward(100))
+    assert hf_files.check_function(dataclasses.replace(config, block_size=64))[0]
+    exportable, line, windowed = hf_files.check_function(config)
+    assert not exportable and "transformers' GPT-2 computes other logits" in line, line
+    assert hf_files.fingerprint_difference(plain, windowed) > hf_files.FINGERPRINT_TOLERANCE
+    assert plain[:2 * 100] == windowed[:2 * 100]  # the first 100 positions are GPT-2's: each has two numbers
+
+
+class Untied(GPT):
+    """model.py with the tie deleted: a head of its own."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lm_head.weight = torch.nn.Parameter(torch.empty_like(self.lm_head.weight))
+        self.init_weights()
+
+
+def test_an_untied_head_exports_untied_and_reads_back(tmp_path, monkeypatch):
+    """An untied head is written as lm_head.weight with tie_word_embeddings false; transformers computes the model's
+    logits from it, model.py's untied classes read it back, and tied ones refuse it in one line."""
+    config = GPTConfig(block_size=32, vocab_size=100, padded_vocab_size=128, n_layer=2, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    ours = Untied(config).eval()
+    assert ours.lm_head.weight is not ours.transformer.wte.weight
+    assert torch.equal(ours.lm_head.weight[100:], torch.zeros(28, 16))  # padded rows, as wte's
+    export_hf(ours, tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False
+    assert load_file(tmp_path / "hf" / "model.safetensors")["lm_head.weight"].shape == (100, 16)
+    ids = hf_files.check_ids(config)
+    with torch.no_grad():
+        assert (ours(ids)[0] - hf_files.transformers_logits(str(tmp_path / "hf"), ids)).abs().max() < TOL
+    monkeypatch.setattr(hf_files, "GPT", Untied)
+    back = from_pretrained(str(tmp_path / "hf"), padded_vocab_size=128)
+    assert torch.equal(back.lm_head.weight, ours.lm_head.weight)
+    monkeypatch.setattr(hf_files, "GPT", GPT)
+    with pytest.raises(ValueError, match=r"model\.safetensors: lm_head\.weight differs from wte\.weight, and model\.py "
+                                         r"ties its head to wte \(delete the tie in GPT\.__init__"):
+        from_pretrained(str(tmp_path / "hf"))
+    with monkeypatch.context() as patched:
+        patched.setattr(hf_files, "GPT", Untied)
+        assert hf_files.check_function(config)[0]  # the check before step 1 agrees

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import launch_worker, worker_results
-from model import GPT, GPTConfig, init_sharded
+from model import GPT, GPTConfig, init_sharded, materialize, parameters_on_meta
 
 @pytest.fixture(scope="module")
 def launches():
@@ -36,13 +36,14 @@ def test_init_sharded_on_a_plain_model_leaves_the_global_rng_alone():
     reference = GPT(config)
     torch.manual_seed(5)
     reference.init_weights()
+    tied = reference.lm_head.weight is reference.transformer.wte.weight
     reference = reference.state_dict()
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = GPT(config)
-    model.to_empty(device="cpu")
+    materialize(model, "cpu")
     torch.manual_seed(99)
     before = torch.get_rng_state()
     init_sharded(model, 5)
     assert torch.equal(torch.get_rng_state(), before)
-    assert model.lm_head.weight is model.transformer.wte.weight
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tied  # as __init__ made it
     assert all(torch.equal(model.state_dict()[k], reference[k]) for k in reference)

@@ -497,7 +497,8 @@ def test_muon_is_torchs_for_the_blocks_matrices_with_dions_lr_and_adamw_for_the_
     scalar, embedding = adamw.param_groups
     assert (scalar["lr_scale"], scalar["weight_decay"], embedding["lr_scale"], embedding["weight_decay"]) == \
         (0.5, 0.1, 0.5, 0.0)
-    assert embedding["params"] == [model.transformer.wte.weight, model.transformer.wpe.weight]
+    outside = [p for name, p in model.named_parameters() if p.dim() == 2 and not name.startswith("transformer.h.")]
+    assert embedding["params"] == outside  # wte (and the head, tied or not) and wpe
     # One step on the MLP's c_proj (16 x 64): dion's spectral_norm update, lr x sqrt(16 / 64) x NS(grad), and
     # its decay by lr x weight_decay.
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
@@ -710,6 +711,20 @@ ROTARY = [("""        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias
            """        x = self.transformer.wte(idx)""")]
 NO_LN_F = [("""            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),\n""", ""),
            ("""        x = self.transformer.ln_f(x)\n""", "")]
+# Sliding-window attention (a window of 100 at seq_length 128): the same tensors, another function from position 100
+# on, which a check of the first 64 positions passed.
+WINDOW = [("""        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)""",
+           """        i = torch.arange(T, device=x.device)
+        near = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 100)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=near)""")]
+# A parallel block (GPT-J's): attention and MLP read the same input; the same tensors again.
+PARALLEL = [("""        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))""", """        return x + self.attn(self.ln_1(x)) + self.mlp(self.ln_2(x))""")]
+# A gate on each block's attention, learnt from zero (its __init__ value, which the run keeps).
+ZERO_GATE = [("""        self.mlp = MLP(config)
+""", """        self.mlp = MLP(config)
+        self.gate = nn.Parameter(torch.zeros(1))
+"""), ("""        x = x + self.attn(self.ln_1(x))""", """        x = x + (1 + self.gate) * self.attn(self.ln_1(x))""")]
 # The same weights computing something else: ReLU where the config says gelu_new.
 RELU_IN_FORWARD = [("""        return self.c_proj(self.activation(self.c_fc(x)))""", """        return self.c_proj(F.relu(self.c_fc(x)))""")]
 LABEL_SMOOTHING = [("""    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")""",
@@ -728,17 +743,22 @@ EDITS = {
     "no_ln_f": (NO_LN_F, "no transformer.ln_f.weight, which GPT-2 computes with", "missing transformer.ln_f.weight"),
     "relu_in_forward": (RELU_IN_FORWARD, "transformers' GPT-2 computes other logits from the same weights",
                         "model.py computes otherwise than when this run's checkpoints were written"),
+    "sliding_window": (WINDOW, "transformers' GPT-2 computes other logits from the same weights",
+                       "model.py computes otherwise than when this run's checkpoints were written"),
+    "parallel_block": (PARALLEL, "transformers' GPT-2 computes other logits from the same weights",
+                       "model.py computes otherwise than when this run's checkpoints were written"),
+    "zero_gate": (ZERO_GATE, "transformer.h.0.gate, which GPT-2 has no place for", "added transformer.h.0.gate"),
 }
 
 
-def edited_project(directory, replacements):
-    """A copy of the project's scripts and data/ whose model.py has each (old, new) replaced once."""
+def edited_project(directory, replacements, edited="model.py"):
+    """A copy of the project's scripts and data/ whose `edited` file has each (old, new) replaced once."""
     os.makedirs(directory)
     for name in os.listdir(ROOT):
         if name.endswith(".py"):
             shutil.copy(os.path.join(ROOT, name), directory)
     shutil.copytree(os.path.join(ROOT, "data"), os.path.join(directory, "data"))
-    path = os.path.join(directory, "model.py")
+    path = os.path.join(directory, edited)
     text = open(path).read()
     for old, new in replacements:
         assert text.count(old) == 1, old
@@ -749,7 +769,9 @@ def edited_project(directory, replacements):
 
 
 def edit_args(data, out, **overrides):
-    return tiny(data, out, **dict(dict(max_steps=4, ckpt_every_steps=2, val_every_steps=2, val_tokens=128), **overrides))
+    """A tiny run at seq_length 128: past the 64 positions that a partial check of the model would see."""
+    defaults = dict(max_steps=4, ckpt_every_steps=2, val_every_steps=2, val_tokens=256, seq_length=128)
+    return tiny(data, out, **dict(defaults, **overrides))
 
 
 def train_in(project, args):
@@ -803,7 +825,7 @@ def test_an_edit_of_model_py_is_never_exported_or_resumed_silently_wrong(edit, d
     assert sorted(os.listdir(os.path.join(old, "ckpt"))) == before  # untouched, under their own names
 
     warm = str(tmp_path / "warm")
-    partial = edit != "relu_in_forward"  # the same tensors: a plain init_from loads them all
+    partial = edit not in ("relu_in_forward", "sliding_window", "parallel_block")  # the same tensors: all load
     result = train_in(project, edit_args(data, warm, init_from=old, init_from_partial=partial))
     assert result.returncode == 0, result.stderr
     if partial:
@@ -811,6 +833,159 @@ def test_an_edit_of_model_py_is_never_exported_or_resumed_silently_wrong(edit, d
     else:
         assert "init_from: loaded the weights of" in result.stdout
     assert not os.path.exists(os.path.join(warm, "hf"))
+
+
+UNTIE = [("""        self.lm_head.weight = self.transformer.wte.weight\n""", "")]
+
+# Compares, in the edited project, the newest checkpoint's model with transformers' reading of hf/ over the whole
+# context, and says whether its head is its own.
+COMPARE_HF = """
+import sys, torch, transformers
+from checkpoint import load_model
+from hf_files import check_ids
+ours = load_model(sys.argv[1]).eval()
+theirs = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1] + "/hf", dtype=torch.float32)
+ids = check_ids(ours.config)
+with torch.no_grad():
+    print((ours(ids)[0] - theirs(ids).logits).abs().max().item())
+print(ours.lm_head.weight is ours.transformer.wte.weight, torch.equal(ours.lm_head.weight, ours.transformer.wte.weight))
+"""
+
+
+@pytest.mark.slow
+def test_an_untied_head_trains_checkpoints_resumes_and_exports_untied(data, tmp_path):
+    """Deleting the tie in GPT.__init__ is the whole edit: the run trains a head of its own (counted as such), resumes
+    it exactly, and exports it as transformers' GPT-2 with tie_word_embeddings false, computing the same logits."""
+    project = edited_project(str(tmp_path / "project"), UNTIE)
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    result = train_in(project, edit_args(data, whole, max_steps=6))
+    assert result.returncode == 0, result.stderr
+    before_step_1 = result.stdout.split("step     0/6 | loss")[0]
+    assert "hf/: transformers' GPT-2 computes the model's logits" in before_step_1, before_step_1
+    tied = train_in(ROOT, edit_args(data, str(tmp_path / "tied"), max_steps=1, ckpt_every_steps=0))
+    count = [int(re.search(r"model: ([\d,]+) parameters", r.stdout)[1].replace(",", "")) for r in (result, tied)]
+    assert count[0] - count[1] == 512 * 32  # the head's own vocabulary x n_embd
+    for steps in (4, 6):  # stopped at step 4, then resumed
+        assert train_in(project, edit_args(data, resumed, max_steps=steps)).returncode == 0
+    assert metrics(resumed, "train_loss") == metrics(whole, "train_loss")
+    config = json.loads(open(os.path.join(resumed, "hf", "config.json")).read())
+    assert config["tie_word_embeddings"] is False
+    compared = subprocess.run([sys.executable, "-c", COMPARE_HF, resumed], cwd=project, capture_output=True,
+                              text=True, timeout=300)
+    assert compared.returncode == 0, compared.stderr
+    difference, identity = compared.stdout.split("\n")[:2]
+    assert float(difference) < 1e-5 and identity == "False False"
+
+
+# A GPTConfig field of the edit's own: the window of a sliding-window attention, 0 (the default) for none.
+WINDOW_FIELD = [("""    activation: str = "gelu_new"  # the MLP's: a key of ACTIVATIONS (add yours there)
+""", """    activation: str = "gelu_new"  # the MLP's: a key of ACTIVATIONS (add yours there)
+    window: int = 0  # attend to the last `window` positions only; 0: to all
+"""), ("""        self.n_head = config.n_head
+""", """        self.n_head = config.n_head
+        self.window = config.window
+"""), ("""        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)""",
+       """        i = torch.arange(T, device=x.device)
+        near = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < (self.window or T))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=near)""")]
+
+
+@pytest.mark.slow
+def test_a_gptconfig_field_is_a_config_key_recorded_in_checkpoints_and_compared_on_resume(data, unedited_run, tmp_path):
+    """A field added to GPTConfig is a key (--help, the command line) with nothing else to edit; it reaches the model,
+    train_config.json and every checkpoint. A checkpoint with the field resumed by code without it, or the reverse, is
+    one line naming the field, and no checkpoint is renamed."""
+    project = edited_project(str(tmp_path / "project"), WINDOW_FIELD)
+    assert "--window: int = 0  # attend to the last `window` positions only; 0: to all" in \
+        train_in(project, ["--help"]).stdout
+    windowed = str(tmp_path / "windowed")
+    result = train_in(project, edit_args(data, windowed, window=100))
+    assert result.returncode == 0, result.stderr
+    assert "hf/ will not be written: transformers' GPT-2 computes other logits" in result.stdout
+    assert json.loads(open(os.path.join(windowed, "train_config.json")).read())["window"] == 100
+    saved = json.loads(open(os.path.join(windowed, "ckpt", "step_00000004", "train_state.json")).read())
+    assert saved["model_config"]["window"] == 100
+    # --window=0 is GPT-2: that export is written
+    result = train_in(project, edit_args(data, str(tmp_path / "full"), window=0, max_steps=1))
+    assert result.returncode == 0 and os.path.isdir(tmp_path / "full" / "hf"), result.stderr
+    old = str(tmp_path / "old")
+    shutil.copytree(unedited_run, old)
+    for code, out, says in ((ROOT, windowed, "the checkpoint's model has window=100, which model.py's GPTConfig "
+                                             "lacks; add the field back to read it"),
+                            (project, old, "model.py's GPTConfig has window (default 0), which the checkpoint's "
+                                           "model lacks (it was written before the field was added)")):
+        before = checkpoints(out)
+        result = train_in(code, edit_args(data, out, max_steps=6))
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert result.returncode == 1 and len(errors) == 1 and says in errors[0], result.stderr
+        assert checkpoints(out) == before and "damaged" not in result.stdout + result.stderr
+
+
+# An EMA of the weights, kept as docs/training.md shows: in build_extra_state, updated after each optimizer step.
+EMA = [("""    return {}
+
+
+def lr_at(step, cfg):""", """    return {"ema": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def lr_at(step, cfg):"""), ("""        # The step's numbers are copied to the host without waiting; they are logged a step later.""",
+                           """        for name, p in model.named_parameters():
+            extra_state["ema"][name].lerp_(p.detach(), 0.1)
+        # The step's numbers are copied to the host without waiting; they are logged a step later.""")]
+
+
+@pytest.mark.slow
+def test_training_state_an_edit_adds_is_checkpointed_and_a_resume_across_the_edit_is_one_line(
+        data, unedited_run, tmp_path):
+    """The EMA edit trains, checkpoints its EMA and resumes exactly. A run written before the edit, resumed with it (or
+    the EMA run without it), is refused in one line naming the state that differs, every checkpoint keeps its name,
+    and undoing the edit resumes as before: a damaged checkpoint is one whose bytes changed, never one of other code."""
+    project = edited_project(str(tmp_path / "project"), EMA, "train_gpt2.py")
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    assert train_in(project, edit_args(data, whole, max_steps=6)).returncode == 0
+    for steps in (4, 6):
+        assert train_in(project, edit_args(data, resumed, max_steps=steps)).returncode == 0
+    assert metrics(resumed, "train_loss") == metrics(whole, "train_loss")
+    old = str(tmp_path / "old")
+    shutil.copytree(unedited_run, old)
+    for code, out, says in ((project, old, "the code has extra.ema.transformer.wte.weight"),
+                            (ROOT, resumed, "the checkpoint has extra.ema.transformer.wte.weight")):
+        before = checkpoints(out)
+        result = train_in(code, edit_args(data, out, max_steps=8))
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        assert result.returncode == 1 and len(errors) == 1, result.stderr
+        assert "the code's training state is not the checkpoint's" in errors[0] and says in errors[0], errors[0]
+        assert checkpoints(out) == before and "damaged" not in result.stdout + result.stderr
+    assert train_in(ROOT, edit_args(data, old, max_steps=6)).returncode == 0  # the edit undone: it resumes
+
+
+# Positions masked out of the loss, as an edit of the data or the loop masks them (labels of -100).
+MASKED = [("""    tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)""",
+           """    labels[tokens % 3 == 0] = -100  # a different count of scored tokens in every micro-batch
+    tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)""")]
+
+
+@pytest.mark.slow
+def test_masked_positions_weigh_per_token_across_micro_batches_and_ranks(data, tmp_path):
+    """The loss is the mean over the step's scored tokens, however they fall into micro-batches and ranks: one
+    micro-batch, two, and two ranks of one give the same training and validation losses (a mean of each micro-batch's
+    mean would differ, since each holds another count of scored tokens)."""
+    project = edited_project(str(tmp_path / "project"), MASKED, "train_gpt2.py")
+    runs = {"accumulated": ["--local_batch_size=4"], "one": ["--local_batch_size=8"]}
+    for name, extra in runs.items():
+        result = train_in(project, edit_args(data, str(tmp_path / name), ckpt_every_steps=0) + extra)
+        assert result.returncode == 0, result.stderr
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(project, "train_gpt2.py"),
+               *edit_args(data, str(tmp_path / "ranks"), ckpt_every_steps=0), "--local_batch_size=2"]
+    result = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for key in ("train_loss", "val_loss"):
+        one = metrics(tmp_path / "one", key)
+        for name in ("accumulated", "ranks"):
+            other = metrics(tmp_path / name, key)
+            assert one.keys() == other.keys()
+            assert all(abs(one[s] - other[s]) < 1e-5 for s in one), (name, key, one, other)
 
 
 @pytest.mark.slow
