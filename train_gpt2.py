@@ -35,6 +35,7 @@ from configurator import NANOGPT_INIT_FROM, config_help, parse_config
 from hf_files import check_function, load_hf_sharded
 from indexed_dataset import LLMCValWindows, PretrainingSampler, sequential_samples, train_samples
 from model import GPT, GPTConfig, init_sharded, materialize, parameters_on_meta
+from muon import ShardedMuon
 from processes import (StopRequest, any_rank, end_distributed, error_line, is_master, on_rank0,
                        peak_flops, peak_memory, rank_and_world_size, setup_distributed,
                        torch_version_problem)
@@ -248,9 +249,10 @@ def build_optimizer(model, cfg, device):
         scales = [1.0 for p in matrices]
     groups = [dict(name="muon", params=[p], lr_scale=scale * cfg.muon_lr / cfg.lr,
                    weight_decay=cfg.weight_decay / scale) for p, scale in zip(matrices, scales)]
+    # ShardedMuon: torch.optim.Muon, each FSDP2-sharded matrix orthogonalized whole on one rank.
     adjust_lr_fn = dict(spectral_norm="original", rms_norm="match_rms_adamw")[cfg.muon_adjust_lr]
-    muon = torch.optim.Muon(groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, nesterov=False,
-                            adjust_lr_fn=adjust_lr_fn)
+    muon = ShardedMuon(groups, lr=cfg.muon_lr, momentum=cfg.muon_momentum, nesterov=False,
+                       adjust_lr_fn=adjust_lr_fn)
     # AdamW: biases and LayerNorms with weight decay, the 2-D parameters outside the blocks (the
     # embeddings; wte is the head too) without.
     scalar_lr = cfg.muon_scalar_lr or SCALAR_LR_FACTOR * cfg.lr

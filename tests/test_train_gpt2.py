@@ -28,6 +28,7 @@ import train_gpt2
 from conftest import (ROOT, checkpoints, gpt2_token_dataset, metrics, rerun, script, save_tiny_hf_gpt2, small_byte_datasets,
                       tiny, torchrun, vislog, write_byte_dataset, write_ours)
 from indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from muon import ShardedMuon
 from tokenizer import EOT_ID, gpt2_encoding
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -489,7 +490,7 @@ def test_muon_is_torchs_for_the_blocks_matrices_with_dions_lr_and_adamw_for_the_
                                   "--weight_decay=0.1"])
     model = GPT(GPTConfig(block_size=16, vocab_size=64, padded_vocab_size=None, n_layer=2, n_head=2, n_embd=16))
     muon, adamw = train_gpt2.build_optimizer(model, cfg, torch.device("cpu"))
-    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    assert type(muon) is ShardedMuon and type(adamw) is torch.optim.AdamW  # ShardedMuon: torch's Muon, sharded
     matrices = [p for p in model.transformer.h.parameters() if p.dim() == 2]
     assert [p for group in muon.param_groups for p in group["params"]] == matrices
     held = [p for opt in (muon, adamw) for group in opt.param_groups for p in group["params"]]

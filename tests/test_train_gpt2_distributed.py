@@ -161,7 +161,7 @@ def test_one_and_two_ranks_give_the_same_run(one_process_run, two_rank_run):
 
 @pytest.mark.slow
 def test_muon_on_two_fsdp2_ranks_equals_one_process(data, tmp_path):
-    """torch's Muon orthogonalizes the sharded (DTensor) gradients of 2 ranks: the run of 1 process, to rounding.
+    """ShardedMuon orthogonalizes each sharded (DTensor) matrix whole on one of 2 ranks: 1 process's run, to rounding.
     Its Newton-Schulz steps run in bf16 and sum in another order on 2 ranks: the losses agree to 1e-5 relative (measured),
     the grad norms, which are more sensitive to the weights, to 2.5e-4."""
     def args(out):
