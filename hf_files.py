@@ -10,6 +10,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+import threading
 
 import huggingface_hub
 import torch
@@ -225,20 +226,27 @@ EXPORT_TOLERANCE = 1e-4  # fp32 logits: an unedited model differs by about 1e-6
 def check_model(config):
     """The model that the check of what model.py computes runs: `config`'s architecture as it is
     (every layer, the whole vocabulary), built from model.py's classes as they are now, on the CPU
-    in fp32. Its weights are its init moved by a seeded draw, so that no parameter sits at a value
-    (a zero gate, a unit gain) where an edit's effect would vanish, and each matrix is large enough
-    (std 1/sqrt(fan_in)) that every layer moves the logits: GPT-2's init of 0.02 leaves attention
-    almost uniform, and an edit of it almost unseen."""
+    in fp32. Its weights are drawn from a seed: each matrix with a spread of 1/sqrt(fan_in), so
+    that every layer moves the logits (GPT-2's init of 0.02 leaves attention almost uniform, and an
+    edit of it almost unseen); GPT-2's gains and biases, and an edit's own parameters, moved from
+    their starting values, so that none sits where an edit's effect would vanish (a zero gate)."""
     with torch.random.fork_rng(devices=[]):  # the run's own random numbers stay untouched
         torch.manual_seed(0)
         with parameters_on_meta():
             model = GPT(config)
         materialize(model, "cpu")
-        model.init_weights()
         with torch.no_grad():
+            drawn = set()
+            for _, param, fill in model.init_plan():
+                if param.dim() >= 2:
+                    param.normal_(std=param.size(-1) ** -0.5)
+                    drawn.add(param)
+                else:
+                    fill(param)
             for param in model.parameters():
-                std = 0.1 if param.dim() < 2 else param.size(-1) ** -0.5
-                param.add_(torch.randn_like(param) * std)
+                if param not in drawn:
+                    std = 0.1 if param.dim() < 2 else param.size(-1) ** -0.5
+                    param.add_(torch.randn_like(param) * std)
     return model.eval()
 
 
@@ -269,6 +277,11 @@ def fingerprint_difference(saved, now):
 FINGERPRINT_TOLERANCE = 1e-3  # float noise between machines and thread counts: about 1e-5
 
 
+def import_transformers():
+    """transformers and the modules that reading a GPT-2 export with it imports."""
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel  # noqa: F401
+
+
 def transformers_logits(directory, ids):
     """The fp32 logits that transformers' reading of the export in `directory` computes on `ids`."""
     import transformers  # not a requirement of the project: the caller checks that it is there
@@ -284,6 +297,11 @@ def check_function(config, export=True):
     so, the fingerprint that every checkpoint records). check_model(config) runs over its whole
     context; with `export`, its export is read back by transformers, where that is installed, and
     the logits of every position compared."""
+    importing = None
+    if export and importlib.util.find_spec("transformers") is not None:
+        # transformers' import takes seconds of Python: it overlaps the model's build and forward.
+        importing = threading.Thread(target=import_transformers, daemon=True)
+        importing.start()
     model, ids = check_model(config), check_ids(config)
     with torch.no_grad():
         logits = model(ids)[0].float()
@@ -298,8 +316,14 @@ def check_function(config, export=True):
         return True, ("hf/: the tensors are GPT-2's by name and shape; whether transformers "
                       "computes what the model does was not checked (transformers is not "
                       "installed)"), found
-    with tempfile.TemporaryDirectory() as tmp:
+    # In memory where /dev/shm has room: the export is read back at once and deleted.
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if shm and shutil.disk_usage(shm).free < 3 * size:
+        shm = None
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
         export_hf(model, os.path.join(tmp, "hf"), durable=False)
+        importing.join()  # its lazy modules are not to be raced
         difference = (logits - transformers_logits(os.path.join(tmp, "hf"), ids)).abs().max().item()
     where = f"on {ids.size(1)} positions of seeded weights"
     if difference > EXPORT_TOLERANCE:

@@ -205,8 +205,7 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        # The token embedding is also the output head (tied, as in GPT-2): its rows are the
-        # vocabulary's, padded to a multiple that makes the head's matmul faster.
+        # The embedding's and the head's rows: the vocabulary, padded to a faster matmul's shape.
         rows = config.padded_vocab_size or config.vocab_size
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(rows, config.n_embd),
