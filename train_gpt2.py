@@ -699,8 +699,9 @@ def train(cfg, world_size, device, log, stop, checkpoints):
         # Gradient accumulation: the loss is the mean over every scored token of the step (labels
         # of -100 are not scored), on all ranks. Each micro-batch's mean is weighed by its tokens'
         # share of the step's count; FSDP2 then averages the ranks' gradients, hence x world_size.
-        scored = [(labels != -100).sum() for _, labels in step_batches]  # on the host
-        total = torch.stack(scored).sum().to(device, non_blocking=True)
+        scored = torch.stack([(labels != -100).sum() for _, labels in step_batches])
+        scored = scored.to(device, non_blocking=True)  # counted on the host, one copy
+        total = scored.sum()
         if dist.is_initialized():
             dist.all_reduce(total)
         total = total.clamp(min=1)  # a step with no scored token has loss 0, not nan
@@ -712,7 +713,7 @@ def train(cfg, world_size, device, log, stop, checkpoints):
                 model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
             with evaluate.autocast:
                 _, micro_loss = model(tokens, labels)
-            share = micro_loss * scored[micro_step].item() / total
+            share = micro_loss * scored[micro_step] / total
             (share * world_size).backward()
             loss += share.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
