@@ -463,9 +463,11 @@ def starting_point(cfg, resume_path):
     configured = model_config_of(cfg)
     if resume_path is not None:
         model_config = saved_model_config(resume_path)
+        # block_size left None follows the checkpoint; seq_length is the data's, compared there.
         differ = [f"{field} {value!r} (config: {getattr(configured, field)!r})"
                   for field, value in dataclasses.asdict(model_config).items()
-                  if value != getattr(configured, field)]
+                  if value != getattr(configured, field)
+                  and not (field == "block_size" and cfg.block_size is None)]
         if differ and cfg.init_from is None:
             raise ValueError(f"{resume_path}: the checkpoint to resume from has "
                              f"{', '.join(differ)}; use the checkpoint's architecture or "
