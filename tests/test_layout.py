@@ -129,7 +129,7 @@ def test_every_row_of_the_faults_table_names_tests_that_exist():
 # The shape a reader can hold in their head. The limits are the ones nanoGPT's files meet with room to spare.
 # Every top-level script together, the Slurm script included: a ceiling that stops growth, at the
 # total of today's behaviour (docs/development.md says where the lines went).
-LINE_BUDGET = 5042
+LINE_BUDGET = 5115
 WIDE = 100  # characters
 MOST_WIDE_LINES = 0.08
 MOST_INLINE_CONDITIONALS = 2.5  # `a if c else b`, per 100 lines

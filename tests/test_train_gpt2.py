@@ -230,6 +230,48 @@ HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jso
 T = 32
 
 
+@pytest.mark.slow
+def test_evaluation_runs_uncompiled_so_training_compiles_each_graph_once(tmp_path):
+    """A compiled run evaluating every 4 steps, with validation, HellaSwag and a sample: evaluation runs the model as
+    written, so each compiled function holds the one graph training compiled for its shape. Compiled, evaluation's
+    no_grad and shapes (batch 2 and 1, HellaSwag's rows, the sample's growing context) added 4 graphs to
+    Block.forward and 1 to the loss head's chunk."""
+    import model
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    prefix = gpt2_token_dataset(str(tmp_path / "shakespeare"))
+    torch._dynamo.reset()  # no graph of an earlier test's
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny(prefix, out, vocab_size=50257, n_embd=64, max_steps=8, val_every_steps=4,
+                                val_tokens=320, ckpt_every_steps=0, compile=True, hellaswag=HELLASWAG_FIXTURE,
+                                sample_tokens=16, hf_export="off", index_mapping_dir=str(tmp_path / "cache"))) == 0
+    assert sorted(metrics(out, "val_loss")) == [0, 4, 8] and sorted(metrics(out, "hellaswag_acc_norm")) == [4, 8]
+    assert sorted(metrics(out, "sample")) == [4, 8]
+    graphs = {f.__qualname__: len(_debug_get_cache_entry_list(f.__code__))
+              for f in (model.Block.forward, model._real_vocab_chunk_loss)}
+    assert graphs == {"Block.forward": 1, "_real_vocab_chunk_loss": 1}
+
+
+@pytest.mark.slow
+def test_deterministic_trains_the_same_run_on_a_cpu_and_is_put_back_after(data, tmp_path, monkeypatch):
+    """On a CPU every kernel is deterministic already: --deterministic=True logs today's numbers, bit for bit, and
+    the process is as before after the run (a notebook's next run is not slowed)."""
+    during, real_train = [], train_gpt2.train
+
+    def train(*args):
+        during.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return real_train(*args)
+
+    monkeypatch.setattr(train_gpt2, "train", train)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for name, flag in (("default", False), ("deterministic", True)):
+        assert train_gpt2.main(tiny(data, tmp_path / name, max_steps=12, val_every_steps=6,
+                                    deterministic=flag)) == 0
+    assert during == [(False, None), (True, ":4096:8")]
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(tmp_path / "default", key) == metrics(tmp_path / "deterministic", key), key
+
+
 @pytest.fixture(scope="module")
 def val_prefix(tmp_path_factory):
     """Shakespeare paragraphs as GPT-2 tokens, each document followed by EOT, as prepare_fineweb.py writes them."""
