@@ -34,6 +34,39 @@ def setup_distributed(device_choice="auto", timeout_s=900):
     return rank, world_size, device
 
 
+@contextlib.contextmanager
+def deterministic_kernels(on=True):
+    """Within it, torch picks deterministic kernels where it has them and raises where an op has
+    none, so that a rerun on the same GPU computes the same bits (a resume retraces the run);
+    afterwards the process's settings are as before, also in a Python session that ran a run.
+    Entered before CUDA starts: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when it makes its first
+    handle, and without a fixed workspace it may pick another algorithm when streams share one."""
+    if not on:
+        yield
+        return
+    from torch._inductor import config as inductor  # the compiler's, imported only when asked for
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    algorithms = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    inductor_before = getattr(inductor, "deterministic", None)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Also flash attention's backward (FA2's deterministic one, a little slower) and
+    # memory-efficient attention's (one key split).
+    torch.use_deterministic_algorithms(True)
+    if inductor_before is not None:  # recent torch sets it in use_deterministic_algorithms too
+        # Inductor picks kernel configs by rules, not by timing them on the GPU: another process
+        # could time another winner, one that sums in another order.
+        inductor.deterministic = True
+    try:
+        yield
+    finally:
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+        if inductor_before is not None:
+            inductor.deterministic = inductor_before
+
+
 def end_distributed():
     """Destroy the process group, if any. What still refers to it (compiled graphs, FSDP state) is
     freed first: gloo otherwise aborts now and then at exit."""
@@ -224,6 +257,32 @@ def error_line(error):
             text += f"; {OS_ERROR_HINTS[error.errno]}"
         return text
     return None
+
+
+def exit_with(work, script):
+    """sys.exit(work()). An error that error_line() names ends the process with that one line,
+    `SCRIPT: error: ...`, prefixed with the rank under torchrun; any other is raised in full."""
+    try:
+        sys.exit(work())
+    except Exception as e:
+        text = error_line(e)
+        if text is None:
+            raise
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            # One write of the whole line: the ranks' lines never run together.
+            sys.stderr.write(f"[rank {os.environ.get('RANK', 0)}] {script}: error: {text}\n")
+            sys.stderr.flush()
+            sys.exit(1)
+        sys.exit(f"{script}: error: {text}")
+
+
+def clock(device):
+    """A host time, or on a GPU an event recorded in the stream (read once it is done)."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def peak_memory(device, reset=False):

@@ -9,26 +9,24 @@ ckpt/step_NNNNNNNN/ (torch.distributed.checkpoint) and, at the end, hf/ (a Huggi
 Rerun the same command to resume, on any number of ranks.
 
 Where the common edits go: the model, its activation, attention and loss are in model.py; the
-learning-rate schedule is lr_at(), the optimizer and its parameter groups are build_optimizer(),
-and one training step is the body of the loop in train().
+learning-rate schedule is lr_at(), the optimizer and its parameter groups build_optimizer(), the
+update update(), and one training step the loop in train(), whose numerics precision() decides.
 """
-import contextlib
 import dataclasses
 import importlib.util
 import math
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 import typing
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hellaswag
+from batches import host_batch, prefetch
 from checkpoint import (Checkpoints, data_state, last_good_checkpoint, load_init_checkpoint,
                         model_config_of, resume, starting_point)
 from configurator import NANOGPT_INIT_FROM, config_help, parse_config
@@ -36,9 +34,9 @@ from hf_files import check_function, load_hf_sharded
 from indexed_dataset import LLMCValWindows, PretrainingSampler, sequential_samples, train_samples
 from model import GPT, GPTConfig, init_sharded, materialize, parameters_on_meta
 from muon import ShardedMuon
-from processes import (StopRequest, any_rank, end_distributed, error_line, is_master, on_rank0,
-                       peak_flops, peak_memory, rank_and_world_size, setup_distributed,
-                       torch_version_problem)
+from processes import (StopRequest, any_rank, clock, deterministic_kernels, end_distributed,
+                       exit_with, is_master, on_rank0, peak_flops, peak_memory,
+                       rank_and_world_size, setup_distributed, torch_version_problem)
 from run_dir import RunLog, nothing_left, prepare_out_dir, publish_hf, unlock_out_dirs
 from sample import sample_texts
 from tokenizer import VOCAB_SIZE
@@ -111,6 +109,7 @@ class TrainConfig(GPTConfig):
     dtype: str = "bfloat16"  # bf16 compute with fp32 weights and gradient reduction; or float32
     compile: bool = True  # torch.compile each transformer block and the loss
     activation_checkpointing: bool = False  # recompute activations in backward: less memory, slower
+    deterministic: bool = False  # bit for bit on a resume on one GPU too, slower: docs/training.md
     dist_timeout_s: int = 900  # a collective that waits longer than this fails instead of hanging
 
 
@@ -179,7 +178,6 @@ def load_config(argv):
 def build_model(model_config, init, cfg, device):
     """The model built on the meta device and sharded with FSDP2 under torchrun; then each rank
     fills in its own rows of the weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     # No memory for GPT-2's weights until each rank has its shard. A parameter that an edit adds
     # keeps its __init__ value, drawn from the seed on every rank alike.
     with parameters_on_meta(), torch.random.fork_rng(devices=[]):
@@ -188,10 +186,7 @@ def build_model(model_config, init, cfg, device):
     # Per block, inside FSDP's and compile's wrapping.
     model.activation_checkpointing = cfg.activation_checkpointing
     model.compile_loss = cfg.compile
-    # bf16 compute over fp32 weights; the gradients are reduced across ranks in fp32.
-    mp_policy = MixedPrecisionPolicy()
-    if cfg.dtype == "bfloat16":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, _, mp_policy = precision(cfg, device)  # bf16 under torchrun: precision() says why
     mesh = None
     if dist.is_initialized():
         # The mesh of the run's device type: fully_shard's default follows the accelerator.
@@ -271,6 +266,21 @@ def build_extra_state(model, cfg):
     return {}
 
 
+def update(model, optimizer, step, cfg):
+    """Clip the gradients, then step every optimizer at step's lr: (grad norm, lr)."""
+    # The norm of all gradients together (of every rank's shards under FSDP2); above grad_clip,
+    # every gradient is scaled down in place by the same factor.
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+    # Every group follows the schedule at its own scale (Muon's matrices, a 10x embedding).
+    lr = lr_at(step, cfg)
+    for opt in optimizer:
+        for group in opt.param_groups:
+            group["lr"] = lr * group["lr_scale"]
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # frees the gradients' memory until the next backward
+    return norm, lr
+
+
 def lr_at(step, cfg):
     """llm.c's schedule: linear warmup (step 0 already gets lr / lr_warmup_steps), then a cosine
     decay from lr to min_lr at max_steps."""
@@ -325,51 +335,6 @@ def build_train_data(cfg, log):
     return train_data
 
 
-def host_batch(dataset, indices, vocab_size, pin):
-    """Samples `indices` as (tokens, labels) on the host. An id outside the vocabulary is named
-    here, before the GPU would stop on a device-side assert."""
-    samples = [dataset[i] for i in indices]
-    tokens = np.stack([s["tokens"] for s in samples])
-    labels = np.stack([s["labels"] for s in samples])
-    # Ids below 0 come from signed (int32) datasets and would index the embedding from its end.
-    top = np.maximum(tokens.max(axis=1), labels.max(axis=1))
-    bottom = np.minimum(tokens.min(axis=1), labels.min(axis=1))
-    for ids, row in ((top, int(top.argmax())), (bottom, int(bottom.argmin()))):
-        if not 0 <= ids[row] < vocab_size:
-            raise ValueError(f"token id {ids[row]} in {dataset.describe(indices[row])} is outside "
-                             f"the model's vocabulary (vocab_size {vocab_size})")
-    tokens, labels = torch.from_numpy(tokens), torch.from_numpy(labels)
-    if pin:  # so that the copy to the GPU does not wait
-        return tokens.pin_memory(), labels.pin_memory()
-    return tokens, labels
-
-
-def prefetch(dataset, sampler, grad_accum_steps, vocab_size, pin, stop, depth=2):
-    """A queue of each step's host micro-batches, read ahead by a thread started now. A failure
-    (a token id outside the vocabulary, a data file cut short) is queued in place of the batches
-    and also given to `stop`, so that every rank stops at the same step and saves it."""
-    ready = queue.Queue(maxsize=depth)
-
-    def produce():
-        try:
-            while not stop.ended:
-                batches = [host_batch(dataset, next(sampler), vocab_size, pin)
-                           for _ in range(grad_accum_steps)]
-                # A run that ended (an error in a notebook, say) leaves no thread blocked here.
-                while not stop.ended:
-                    with contextlib.suppress(queue.Full):
-                        ready.put(batches, timeout=1)
-                        break
-        except StopIteration:
-            return  # every step's samples were read
-        except BaseException as e:
-            stop.error = e
-            ready.put(e)
-
-    threading.Thread(target=produce, name="prefetch", daemon=True).start()
-    return ready
-
-
 class Evaluator:
     """Validation loss, HellaSwag and a sample, before step s's update (under eval_only, HellaSwag
     and the sample at step 0 too)."""
@@ -377,11 +342,7 @@ class Evaluator:
     def __init__(self, cfg, val_data, vocab_size, device, log):
         self.cfg, self.val_data, self.vocab_size = cfg, val_data, vocab_size
         self.device, self.log = device, log
-        # bf16 on one device is autocast; sharded, FSDP's mixed precision already computes in bf16.
-        sharded = dist.is_initialized()
-        self.autocast_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" and not sharded else None
-        self.autocast = torch.autocast(device.type, dtype=self.autocast_dtype,
-                                       enabled=self.autocast_dtype is not None)
+        self.autocast, self.autocast_dtype, _ = precision(cfg, device)  # as the step's
         self.sample_tokens = cfg.sample_tokens
         if cfg.sample_tokens and vocab_size != VOCAB_SIZE:
             log(f"sample_tokens ignored: the vocabulary ({vocab_size} tokens) is not GPT-2's")
@@ -397,23 +358,27 @@ class Evaluator:
             self.hellaswag = on_rank0(lambda: hellaswag.render_all(hellaswag.load_examples(path)))
 
     def __call__(self, model, step, stop):
-        """Whether the evaluation ran to its end (False: a stop was requested during it). The
-        model is in eval mode meanwhile, so that a term for training alone stays out of it."""
+        """Evaluate the model before step's update; whether a stop came meanwhile (the caller
+        then checkpoints and ends). The model is in eval mode, so that a term for training alone
+        stays out of it, and runs as written, uncompiled: compiled, evaluation's shapes and
+        no_grad would each compile graphs beside training's, seconds to minutes each, until
+        dynamo's recompile_limit (8 per function) gives up on them."""
         model.eval()
         try:
-            return self.evaluate(model, step, stop)
+            with torch.compiler.set_stance("force_eager"):  # no compiling, not even a guard check
+                return self.evaluate(model, step, stop)
         finally:
             model.train()
 
     def evaluate(self, model, step, stop):
+        """Whether a stop came during the evaluation."""
         head = f"step {step:5d}/{self.cfg.max_steps} |"
 
         def stopped():
             return any_rank(stop.requested())
 
-        if self.val_data is not None:
-            if not self.validate(model, step, head, stop):
-                return False
+        if self.val_data is not None and self.validate(model, step, head, stop):
+            return True
         if self.hellaswag is not None and (step > 0 or self.cfg.eval_only):
             rank, world_size = rank_and_world_size()
             # As many examples per forward as a training micro-batch has tokens.
@@ -421,8 +386,8 @@ class Evaluator:
                 model, self.hellaswag, device=self.device, rank=rank, world_size=world_size,
                 autocast_dtype=self.autocast_dtype, limit=self.cfg.hellaswag_limit,
                 batch_tokens=self.cfg.local_batch_size * self.cfg.seq_length, stopped=stopped)
-            if result is None:
-                return False
+            if result is None:  # a stop came
+                return True
             self.log(f"{head} hellaswag acc_norm {result['acc_norm']:.4f} "
                      f"({result['correct_norm']}/{result['total']})",
                      f"s:{step} eval:{result['acc_norm']:.4f}", step=step,
@@ -432,10 +397,10 @@ class Evaluator:
                 text = sample_texts(model, "", max_new_tokens=self.sample_tokens,
                                     seed=self.cfg.seed + step, device=self.device)[0]
             self.log(f"{head} sample: {text!r}", step=step, sample=text)
-        return True
+        return False
 
     def validate(self, model, step, head, stop):
-        """Log the mean loss over the validation windows; False if a stop came during it, or a
+        """Log the mean loss over the validation windows; whether a stop came during it, or a
         data error (a file cut short), which every rank then stops on and checkpoints, as in
         training."""
         rank, world_size = rank_and_world_size()
@@ -452,7 +417,7 @@ class Evaluator:
             except ValueError as e:
                 stop.error = e
             if any_rank(stop.requested()):  # between batches: a stop never waits behind validation
-                return False
+                return True
             tokens, labels = (t.to(self.device, non_blocking=True) for t in batch)
             with torch.no_grad(), self.autocast:
                 _, loss = model(tokens, labels)
@@ -468,7 +433,7 @@ class Evaluator:
                                      "state not saved")
         self.log(f"{head} val loss {val_loss:.6f} | {time.perf_counter() - t0:.1f} s",
                  f"s:{step} tel:{val_loss:.4f}", step=step, val_loss=val_loss)
-        return True
+        return False
 
 
 # -------------------------------------------------------------------------------------------------
@@ -495,17 +460,9 @@ class StepLog:
         self.stop_flag = torch.zeros((), device=device)
         self.run_peak_gib = 0.0
 
-    def clock(self):
-        """A host time, or on a GPU an event recorded in the stream (read once it is done)."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def start_step(self):
         peak_memory(self.device, reset=True)
-        self.start = self.clock()
+        self.start = clock(self.device)
 
     def end_step(self, step, lr, loss, norm, stop):
         """Queue the step's numbers for the host; whether any rank asked to stop. A GPU reads the
@@ -518,7 +475,7 @@ class StepLog:
             dist.all_reduce(stats)
         host = torch.empty(3, pin_memory=self.cuda)
         host.copy_(stats, non_blocking=True)
-        end = self.clock()
+        end = clock(self.device)
         peak_gib, self.memory_label = peak_memory(self.device)
         self.run_peak_gib = max(self.run_peak_gib, peak_gib)
         self.pending.append((step, lr, host, self.start, end, peak_gib))
@@ -578,6 +535,7 @@ class Training(typing.NamedTuple):
     step_log: StepLog
     recorded: dict  # what each checkpoint records for a resume to compare: data, function
     exportable: bool  # whether hf/ is written at the end (check_function)
+    grad_accum_steps: int  # micro-batches per step on each rank
 
 
 def setup(cfg, world_size, device, log, stop):
@@ -597,6 +555,7 @@ def setup(cfg, world_size, device, log, stop):
         start = f"resuming from {resume_path}"
     if dist.is_initialized():
         start = f"FSDP2 over a {device.type} mesh of {world_size} ranks; {start}"
+    # At least 1: an eval_only run need not divide its batch (check_config).
     grad_accum_steps = max(1, cfg.global_batch_size // (cfg.local_batch_size * world_size))
     log(f"world size {world_size}, device {device}, dtype {cfg.dtype}, grad accumulation "
         f"{grad_accum_steps}; {start}")
@@ -650,12 +609,41 @@ def setup(cfg, world_size, device, log, stop):
         batches = prefetch(train_data, sampler, grad_accum_steps, model_config.vocab_size,
                            device.type == "cuda", stop)
         return Training(model, optimizer, extra_state, step, batches, evaluate, step_log,
-                        recorded, exportable)
+                        recorded, exportable, grad_accum_steps)
     log(f"eval_only: the results are appended to {log.out_dir}/main.log and metrics.jsonl (the "
         "config to eval_config.json); the run's own logs are left as they are")
-    if evaluate(model, step, stop):
+    if not evaluate(model, step, stop):  # no stop came
         return 0
     return 128 + (stop.signal or signal.SIGTERM)
+
+
+def token_shares(step_batches, device):
+    """Each micro-batch's share of the step's scored tokens (labels of -100 are not scored) on all
+    ranks, on the device: counted on the host, copied once, summed over the ranks by one
+    all-reduce, so that nothing waits for the device."""
+    scored = torch.stack([(labels != -100).sum() for _, labels in step_batches])
+    scored = scored.to(device, non_blocking=True)
+    total = scored.sum()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return scored / total.clamp(min=1)  # a step with no scored token has loss 0, not nan
+
+
+def precision(cfg, device):
+    """The numerics of the training step and of evaluation, decided here for both: (autocast,
+    entered around every forward; its dtype, None when off; FSDP2's MixedPrecisionPolicy). In
+    bf16 one process (python) runs autocast over fp32 weights, so that the residual stream stays
+    fp32. Under torchrun FSDP2 casts the gathered weights to bf16 instead, which halves the
+    all-gathers' bytes: the blocks compute in bf16 throughout and reduce the gradients in fp32.
+    docs/training.md#precision compares the two."""
+    bf16 = cfg.dtype == "bfloat16"
+    sharded = dist.is_initialized()
+    autocast_dtype = torch.bfloat16 if bf16 and not sharded else None
+    mp_policy = MixedPrecisionPolicy()  # FSDP2 computes in the parameters' own dtype
+    if bf16 and sharded:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=bf16 and not sharded)
+    return autocast, autocast_dtype, mp_policy
 
 
 def train(cfg, world_size, device, log, stop, checkpoints):
@@ -664,8 +652,8 @@ def train(cfg, world_size, device, log, stop, checkpoints):
     if not isinstance(training, Training):
         return training  # an exit status: nothing left to train
     model, optimizer, extra_state, start_step, batches, evaluate, step_log, recorded, \
-        exportable = training
-    grad_accum_steps = cfg.global_batch_size // (cfg.local_batch_size * world_size)
+        exportable, grad_accum_steps = training
+    autocast, _, _ = precision(cfg, device)
 
     def save(done, stopping=False):
         """Checkpoint after `done` steps; on a stop, the exit status 128 + signum (143 for
@@ -684,7 +672,8 @@ def train(cfg, world_size, device, log, stop, checkpoints):
         last_step = step == cfg.max_steps
         if step % cfg.val_every_steps == 0 or last_step:
             step_log.flush(keep_last=False)
-            if not evaluate(model, step, stop):  # a stop came during the evaluation
+            stopped = evaluate(model, step, stop)
+            if stopped:  # a SIGTERM or SIGINT came during the evaluation
                 return save(step, stopping=True)
         if last_step:
             break
@@ -696,35 +685,26 @@ def train(cfg, world_size, device, log, stop, checkpoints):
             if world_size == 1:  # the other ranks could not join the checkpoint
                 return save(step, stopping=True)
             raise step_batches
-        # Gradient accumulation: the loss is the mean over every scored token of the step (labels
-        # of -100 are not scored), on all ranks. Each micro-batch's mean is weighed by its tokens'
-        # share of the step's count; FSDP2 then averages the ranks' gradients, hence x world_size.
-        scored = torch.stack([(labels != -100).sum() for _, labels in step_batches])
-        scored = scored.to(device, non_blocking=True)  # counted on the host, one copy
-        total = scored.sum()
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        total = total.clamp(min=1)  # a step with no scored token has loss 0, not nan
+        # Gradient accumulation: backward() adds each micro-batch's gradient into .grad, weighed by
+        # its share of the step's scored tokens on all ranks (x world_size: FSDP2 averages ranks).
+        shares = token_shares(step_batches, device)
         loss = torch.zeros((), device=device)  # this rank's share of the step's mean loss
         for micro_step, (tokens, labels) in enumerate(step_batches):
+            # From pinned host memory on a GPU: the copy runs beside the work already queued.
             tokens = tokens.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
-            if dist.is_initialized():  # reduce-scatter gradients once per step, not per micro-batch
+            if dist.is_initialized():
+                # FSDP2 reduce-scatters the gradients to their shards in the backward of the last
+                # micro-batch only; the ones before accumulate the whole gradients locally.
                 model.set_requires_gradient_sync(micro_step == grad_accum_steps - 1)
-            with evaluate.autocast:
+            with autocast:  # bf16 matmuls in one process; a no-op otherwise (precision() says why)
                 _, micro_loss = model(tokens, labels)
-            share = micro_loss * scored[micro_step] / total
+            share = micro_loss * shares[micro_step]
             (share * world_size).backward()
             loss += share.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        # Every group follows the schedule at its own scale (Muon's matrices, a 10x embedding).
-        lr = lr_at(step, cfg)
-        for opt in optimizer:
-            for group in opt.param_groups:
-                group["lr"] = lr * group["lr_scale"]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        # The step's numbers are copied to the host without waiting; they are logged a step later.
+        norm, lr = update(model, optimizer, step, cfg)
+        # Loss, norm and stop flag go to the host without waiting, to be logged a step later: the
+        # device always has the next step queued. All ranks agree on the stop (SIGTERM, SIGINT).
         stop_requested = step_log.end_step(step, lr, loss, norm, stop)
         checkpoints.poll()
 
@@ -757,22 +737,23 @@ def main(argv=None):
 def run(cfg, restore_signals=True):
     """Train; with `restore_signals` False (the command line), SIGTERM and SIGINT stay absorbed
     until the process exits, so that a signal during the report of an error cannot cut it short."""
-    _, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
-    log = RunLog(os.path.join(cfg.out_dir, "eval") if cfg.eval_only else cfg.out_dir)
-    stop = StopRequest()
-    checkpoints = Checkpoints(cfg, log)
-    try:
+    with deterministic_kernels(cfg.deterministic):  # from before CUDA starts, when asked for
+        _, world_size, device = setup_distributed(cfg.device, cfg.dist_timeout_s)
+        log = RunLog(os.path.join(cfg.out_dir, "eval") if cfg.eval_only else cfg.out_dir)
+        stop = StopRequest()
+        checkpoints = Checkpoints(cfg, log)
         try:
-            return train(cfg, world_size, device, log, stop, checkpoints)
-        finally:  # a stop, the end of the run or an error: the write in flight is finished first
-            checkpoints.wait()
-    finally:
-        stop.ended = True
-        if restore_signals:
-            stop.restore()
-        log.close()
-        unlock_out_dirs()
-        end_distributed()
+            try:
+                return train(cfg, world_size, device, log, stop, checkpoints)
+            finally:  # a stop, the end of the run or an error: the write in flight finishes first
+                checkpoints.wait()
+        finally:
+            stop.ended = True
+            if restore_signals:
+                stop.restore()
+            log.close()
+            unlock_out_dirs()
+            end_distributed()
 
 
 def cli(argv=None):
@@ -793,18 +774,7 @@ def cli(argv=None):
         if rank == 0:  # every rank reads the same config: rank 0 alone says what is wrong
             sys.exit(f"train_gpt2.py: error: {e}")
         sys.exit(1)
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-    try:
-        sys.exit(run(cfg, restore_signals=False))
-    except Exception as e:
-        text = error_line(e)
-        if text is None:
-            raise
-        if prefix:  # under torchrun, one write of the whole line: the ranks' lines never run together
-            sys.stderr.write(f"{prefix}train_gpt2.py: error: {text}\n")
-            sys.stderr.flush()
-            sys.exit(1)
-        sys.exit(f"train_gpt2.py: error: {text}")
+    exit_with(lambda: run(cfg, restore_signals=False), "train_gpt2.py")
 
 
 if __name__ == "__main__":

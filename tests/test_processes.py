@@ -97,6 +97,25 @@ def test_the_helpers_work_without_a_process_group():
     assert processes.rank_and_world_size() == (0, 1) and processes.is_master()
 
 
+def test_deterministic_kernels_hold_within_and_are_put_back_after(monkeypatch):
+    """--deterministic=True: torch's deterministic kernels, cuBLAS's fixed workspace (set before CUDA starts, so the
+    environment, which cuBLAS reads then) and Inductor's rules instead of timings, all as they were after the run."""
+    from torch._inductor import config as inductor
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with processes.deterministic_kernels(False):
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with processes.deterministic_kernels():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and inductor.deterministic
+    assert not torch.are_deterministic_algorithms_enabled() and not inductor.deterministic
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a deterministic setting of the user's own stays
+    with processes.deterministic_kernels():
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
 # ----------------------------------------------------------------------------- SIGTERM and SIGINT
 
 def test_a_signal_asks_for_a_stop_and_a_repeated_sigterm_is_absorbed_and_said_once(capsys):

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import batches
 import hellaswag
 import plot_log
 import train_gpt2
@@ -229,6 +230,48 @@ def test_activation_checkpointing_trains_the_same_run(data, tmp_path):
 
 HELLASWAG_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
 T = 32
+
+
+@pytest.mark.slow
+def test_evaluation_runs_uncompiled_so_training_compiles_each_graph_once(tmp_path):
+    """A compiled run evaluating every 4 steps, with validation, HellaSwag and a sample: evaluation runs the model as
+    written, so each compiled function holds the one graph training compiled for its shape. Compiled, evaluation's
+    no_grad and shapes (batch 2 and 1, HellaSwag's rows, the sample's growing context) added 4 graphs to
+    Block.forward and 1 to the loss head's chunk."""
+    import model
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    prefix = gpt2_token_dataset(str(tmp_path / "shakespeare"))
+    torch._dynamo.reset()  # no graph of an earlier test's
+    out = tmp_path / "out"
+    assert train_gpt2.main(tiny(prefix, out, vocab_size=50257, n_embd=64, max_steps=8, val_every_steps=4,
+                                val_tokens=320, ckpt_every_steps=0, compile=True, hellaswag=HELLASWAG_FIXTURE,
+                                sample_tokens=16, hf_export="off", index_mapping_dir=str(tmp_path / "cache"))) == 0
+    assert sorted(metrics(out, "val_loss")) == [0, 4, 8] and sorted(metrics(out, "hellaswag_acc_norm")) == [4, 8]
+    assert sorted(metrics(out, "sample")) == [4, 8]
+    graphs = {f.__qualname__: len(_debug_get_cache_entry_list(f.__code__))
+              for f in (model.Block.forward, model._real_vocab_chunk_loss)}
+    assert graphs == {"Block.forward": 1, "_real_vocab_chunk_loss": 1}
+
+
+@pytest.mark.slow
+def test_deterministic_trains_the_same_run_on_a_cpu_and_is_put_back_after(data, tmp_path, monkeypatch):
+    """On a CPU every kernel is deterministic already: --deterministic=True logs today's numbers, bit for bit, and
+    the process is as before after the run (a notebook's next run is not slowed)."""
+    during, real_train = [], train_gpt2.train
+
+    def train(*args):
+        during.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return real_train(*args)
+
+    monkeypatch.setattr(train_gpt2, "train", train)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for name, flag in (("default", False), ("deterministic", True)):
+        assert train_gpt2.main(tiny(data, tmp_path / name, max_steps=12, val_every_steps=6,
+                                    deterministic=flag)) == 0
+    assert during == [(False, None), (True, ":4096:8")]
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    for key in ("train_loss", "val_loss", "grad_norm"):
+        assert metrics(tmp_path / "default", key) == metrics(tmp_path / "deterministic", key), key
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +601,7 @@ def test_a_data_error_mid_run_saves_the_last_good_step_and_the_rerun_resumes_it(
     args = tiny(data, tmp_path / "out", max_steps=20, index_mapping_dir=str(tmp_path / "c"))
     reference = tmp_path / "reference"
     train_gpt2.main(tiny(data, reference, max_steps=20, index_mapping_dir=str(tmp_path / "c")))
-    real_host_batch, calls = train_gpt2.host_batch, []
+    real_host_batch, calls = batches.host_batch, []
 
     def fails_once(dataset, indices, *rest):
         if threading.current_thread() is not threading.main_thread():  # the training batches
@@ -567,12 +610,12 @@ def test_a_data_error_mid_run_saves_the_last_good_step_and_the_rerun_resumes_it(
                 raise ValueError("data/x.bin: shrank from 100 to 50 bytes while the run read it")
         return real_host_batch(dataset, indices, *rest)
 
-    monkeypatch.setattr(train_gpt2, "host_batch", fails_once)
+    monkeypatch.setattr(batches, "host_batch", fails_once)  # the reading thread's
     with pytest.raises(ValueError, match="shrank"):
         train_gpt2.main(args)
     saved = checkpoints(tmp_path / "out")
     assert saved[-1] > "step_00000010", saved  # past the periodic checkpoint
-    monkeypatch.setattr(train_gpt2, "host_batch", real_host_batch)
+    monkeypatch.setattr(batches, "host_batch", real_host_batch)
     assert train_gpt2.main(args) == 0
     assert metrics(tmp_path / "out", "train_loss") == metrics(reference, "train_loss")
 
@@ -978,7 +1021,7 @@ def test_masked_positions_weigh_per_token_across_micro_batches_and_ranks(data, t
     """The loss is the mean over the step's scored tokens, however they fall into micro-batches and ranks: one
     micro-batch, two, and two ranks of one give the same training and validation losses (a mean of each micro-batch's
     mean would differ, since each holds another count of scored tokens)."""
-    project = edited_project(str(tmp_path / "project"), MASKED, "train_gpt2.py")
+    project = edited_project(str(tmp_path / "project"), MASKED, "batches.py")
     runs = {"accumulated": ["--local_batch_size=4"], "one": ["--local_batch_size=8"]}
     for name, extra in runs.items():
         result = train_in(project, edit_args(data, str(tmp_path / name), ckpt_every_steps=0) + extra)
