@@ -520,3 +520,23 @@ def test_an_untied_head_exports_untied_and_reads_back(tmp_path, monkeypatch):
     with monkeypatch.context() as patched:
         patched.setattr(hf_files, "GPT", Untied)
         assert hf_files.check_function(config)[0]  # the check before step 1 agrees
+
+
+def test_the_check_takes_every_core_under_torchrun_and_gives_them_back(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 and the other ranks wait for rank 0's check: it runs on every core the process
+    may use, and the run's own thread count is put back after."""
+    seen, real_forward = [], GPT.forward
+
+    def forward(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf_files.check_function(GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16), export=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [len(os.sched_getaffinity(0))]
