@@ -974,15 +974,12 @@ def test_a_gptconfig_field_is_a_config_key_recorded_in_checkpoints_and_compared_
 
 # An EMA of the weights, kept as docs/training.md shows: in build_extra_state, updated after each optimizer step.
 EMA = [("""    return {}
-
-
-def lr_at(step, cfg):""", """    return {"ema": {name: p.detach().clone() for name, p in model.named_parameters()}}
-
-
-def lr_at(step, cfg):"""), ("""        # The step's numbers are copied to the host without waiting; they are logged a step later.""",
-                           """        for name, p in model.named_parameters():
+""", """    return {"ema": {name: p.detach().clone() for name, p in model.named_parameters()}}
+"""), ("""        norm, lr = update(model, optimizer, step, cfg)
+""", """        norm, lr = update(model, optimizer, step, cfg)
+        for name, p in model.named_parameters():
             extra_state["ema"][name].lerp_(p.detach(), 0.1)
-        # The step's numbers are copied to the host without waiting; they are logged a step later.""")]
+""")]
 
 
 @pytest.mark.slow
