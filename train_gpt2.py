@@ -191,6 +191,9 @@ def build_model(model_config, init, cfg, device):
     if dist.is_initialized():
         # The mesh of the run's device type: fully_shard's default follows the accelerator.
         mesh = dist.init_device_mesh(device.type, (dist.get_world_size(),))
+    # FSDP2 shards each block's parameters by rows over the ranks and all-gathers a block's whole
+    # weights just before its forward (and backward), freeing them after: one block at a time is
+    # ever whole on a GPU. The root's fully_shard takes the rest (embeddings, head, ln_f).
     for block in model.transformer.h:
         if cfg.compile:
             # Before sharding, so that FSDP's hooks cause no graph breaks and names stay the same.
@@ -469,6 +472,9 @@ class StepLog:
         flag of the step before, which is done by now, so that the host does not wait."""
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # a sharded model's norm is a DTensor
+        # One all-reduce sums the ranks' loss shares, their (equal) norms and their stop flags, so
+        # that every rank stops at the same step; the copy to pinned host memory is queued behind
+        # the step's work, and nothing here waits for it.
         self.stop_flag.fill_(float(stop.requested()))
         stats = torch.stack([loss, norm.float(), self.stop_flag])
         if dist.is_initialized():
@@ -484,6 +490,8 @@ class StepLog:
             return stop.requested()
         if not self.cuda:
             return host[2].item() > 0
+        # On a GPU, the flag of the step before: its copy is done by now, so reading it costs no
+        # wait, and a stop lands one step later on every rank alike.
         if len(self.recent) < 2:
             return False
         end, host = self.recent[0]
