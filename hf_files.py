@@ -275,7 +275,7 @@ def fingerprint_difference(saved, now):
     return max((abs(a - b) for a, b in zip(saved, now)), default=0.0)
 
 
-FINGERPRINT_TOLERANCE = 1e-3  # float noise between machines and thread counts: about 1e-5
+FINGERPRINT_TOLERANCE = 1e-3  # far above fp32 rounding between machines, far below an edit (tenths)
 
 
 def import_transformers():
