@@ -582,9 +582,9 @@ def setup(cfg, world_size, device, log, stop):
     # One check of what model.py computes, over the model's whole context: whether hf/ will be
     # written (an edited model may compute what no GPT-2 does), and the fingerprint that every
     # checkpoint records, so that a resume notices an edit that keeps every tensor's shape.
-    exportable = cfg.hf_export != "off" and not cfg.eval_only
-    exportable, line, function = on_rank0(lambda: check_function(model_config, exportable))
-    if cfg.hf_export != "off" and not cfg.eval_only:
+    export = cfg.hf_export != "off" and not cfg.eval_only
+    exportable, line, function = on_rank0(lambda: check_function(model_config, export))
+    if export:
         log(line)
         if not exportable and cfg.hf_export == "require":
             raise ValueError(f"config: hf_export='require', and {line}")
