@@ -205,8 +205,7 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        # The embedding's and the head's rows: the vocabulary, padded to a faster matmul's shape.
-        rows = config.padded_vocab_size or config.vocab_size
+        rows = config.padded_vocab_size or config.vocab_size  # padded: a faster matmul's shape
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(rows, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -218,8 +217,7 @@ class GPT(nn.Module):
         # own: it then trains, checkpoints and exports untied (tie_word_embeddings: false).
         self.lm_head.weight = self.transformer.wte.weight
         # Switches rather than config fields, because a checkpoint is the same either way.
-        # activation_checkpointing recomputes each block in the backward: less memory, more compute
-        self.activation_checkpointing = False
+        self.activation_checkpointing = False  # recompute each block in the backward: less memory
         self.compile_loss = False  # torch.compile the loss head's chunks, as the blocks are
         self.init_weights()
 
@@ -230,11 +228,10 @@ class GPT(nn.Module):
             fill(param)
 
     def init_plan(self):
-        """(name, parameter, fill) for each parameter of the modules GPT-2's init knows, as nanoGPT's
-        _init_weights: Linear and Embedding weights N(0, 0.02), the projections into the residual
-        stream (c_proj, two per block) N(0, 0.02 / sqrt(2 n_layer)) so that the stream's variance
-        does not grow with depth, biases zero, LayerNorm gains one, padded vocabulary rows zero. A
-        parameter an edit adds to a module of another kind keeps the value its __init__ gave it."""
+        """(name, parameter, fill) for the modules GPT-2's init knows, as nanoGPT's _init_weights:
+        Linear and Embedding weights N(0, 0.02), the residual projections (c_proj) scaled by
+        1/sqrt(2 n_layer) so that the stream's variance does not grow with depth, biases zero,
+        LayerNorm gains one. A parameter an edit adds elsewhere keeps its __init__ value."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         vocab_rows = (self.transformer.wte, self.lm_head)
         plan, seen = [], set()  # a tied parameter is filled once, by its first module
@@ -320,8 +317,7 @@ class GPT(nn.Module):
 
 
 def normal_rows(weight, rows=None, std=0.02):
-    """N(0, std) in the first `rows` rows of `weight` (all by default), zero in the rest: the padded
-    vocabulary rows, which no token id reaches, stay zero."""
+    """N(0, std) in the first `rows` rows of `weight` (all by default); the padded rows zero."""
     nn.init.normal_(weight[:rows], std=std)
     nn.init.zeros_(weight[weight.size(0) if rows is None else rows:])
 
@@ -332,34 +328,40 @@ INIT_BY_PLAN = (nn.Linear, nn.Embedding, nn.LayerNorm)
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Build modules with their parameters on the meta device (no memory, no init yet) and their
-    buffers computed on the CPU as __init__ computes them. A parameter of a module that init_plan
-    does not fill (one an edit adds) keeps its __init__ value on the side, as buffers do:
-    materialize() puts both back, where a meta build and to_empty() alone leave garbage."""
-    register = nn.Module.register_parameter
+    """Build modules with their parameters on the meta device (no memory, no init) and their
+    buffers on the CPU. A parameter that init_plan does not fill (an edit's) keeps the value its
+    __init__ left, reset_parameters() included, on the side as buffers do: materialize() puts
+    both back, where a meta build and to_empty() alone leave garbage."""
+    register, kept = nn.Module.register_parameter, []
 
     def on_meta(module, name, param):
         if param is not None and param.device.type != "meta":
-            if not isinstance(module, INIT_BY_PLAN):
-                module.__dict__.setdefault("_init_values", {})[name] = param.detach().clone()
-            param = nn.Parameter(param.to("meta"), param.requires_grad)
+            if isinstance(module, INIT_BY_PLAN):
+                param = nn.Parameter(param.to("meta"), param.requires_grad)
+            else:  # moved to meta once __init__ is done with it
+                kept.append((module, name))
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta
     try:
         yield
+        moved = {}  # a parameter that several modules share stays one
+        for module, name in kept:
+            param = module._parameters.get(name)
+            if param is not None and param.device.type != "meta" and id(param) not in moved:
+                module.__dict__.setdefault("_init_values", {})[name] = param.detach().clone()
+                moved[id(param)] = nn.Parameter(param.detach().to("meta"), param.requires_grad)
+            module._parameters[name] = moved.get(id(param), param)
     finally:
         nn.Module.register_parameter = register
 
 
 @torch.no_grad()
 def materialize(model, device):
-    """model.to_empty(device=device), keeping what __init__ made: the buffers' values, the values
-    of parameters kept by parameters_on_meta (each rank its own block under FSDP2), and the
-    parameters that __init__ shared (a tied head), which to_empty() would make two of."""
+    """model.to_empty(device=device), keeping what __init__ made: the buffers, the parameters kept
+    by parameters_on_meta (each rank its block), the sharing of a tied head (to_empty() unties)."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    first_of = {}  # each parameter's first name, and the names that share it
-    shared = {}
+    first_of, shared = {}, {}  # each parameter's first name; each name's first name
     for name, param in model.named_parameters(remove_duplicate=False):
         shared[name] = first_of.setdefault(id(param), name)
     model.to_empty(device=device)

@@ -111,6 +111,8 @@ class Gated(GPT):
         super().__init__(config)
         self.gate = torch.nn.Parameter(torch.full((1,), 0.5))
         self.scale = torch.nn.Parameter(torch.randn(config.n_embd))
+        # a module of torch's that fills its gain in reset_parameters(), after registering it empty
+        self.norm = torch.nn.RMSNorm(config.n_embd)
         if untied:
             self.lm_head.weight = torch.nn.Parameter(torch.empty_like(self.lm_head.weight))
             self.init_weights()
@@ -134,6 +136,7 @@ def test_a_parameter_an_edit_adds_keeps_its_init_value_through_the_meta_build(un
     # on the meta device __init__'s own draws come first from the seed: GPT-2's modules draw nothing there
     torch.manual_seed(3)
     assert torch.equal(built.gate, torch.full((1,), 0.5)) and torch.equal(built.scale, torch.randn(16))
+    assert torch.equal(built.norm.weight, torch.ones(16))
     for (name, a), (_, b) in zip(eager.state_dict().items(), built.state_dict().items()):
         assert name == "scale" or torch.equal(a, b), name
     plain = GPT(cfg)
@@ -141,11 +144,11 @@ def test_a_parameter_an_edit_adds_keeps_its_init_value_through_the_meta_build(un
     assert (built.lm_head.weight is built.transformer.wte.weight) is tied
     assert (eager.lm_head.weight is eager.transformer.wte.weight) is tied
     planned = {name for name, _, _ in built.init_plan()}
-    assert {"gate", "scale"}.isdisjoint(planned) and ("lm_head.weight" in planned) is not tied
+    assert {"gate", "scale", "norm.weight"}.isdisjoint(planned) and ("lm_head.weight" in planned) is not tied
     assert torch.equal(built.lm_head.weight[64:], torch.zeros(16, 16))  # padded rows, tied or not
     # a head of its own is counted, as transformers counts tie_word_embeddings=False
     head = (plain.lm_head.weight is plain.transformer.wte.weight and untied) * 64 * 16
-    assert built.num_params(non_embedding=False) - plain.num_params(non_embedding=False) == 1 + 16 + head
+    assert built.num_params(non_embedding=False) - plain.num_params(non_embedding=False) == 1 + 16 + 16 + head
 
 
 @pytest.mark.gpt2
