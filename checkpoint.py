@@ -200,11 +200,13 @@ def training_state(model, optimizer, step, extra_state):
     `extra_state` (train_gpt2.build_extra_state: an edit's own, such as an EMA of the weights).
     Before the first update AdamW has no state, and get_state_dict would make one up (step 1,
     zero moments) that changes every later update: a step-0 checkpoint holds no optimizer."""
-    state = {"model": get_model_state_dict(model)}
-    if step > 0:
-        state["model"], optim_state = get_state_dict(model, optimizer, options=BY_NAME)
-        state["optim"] = {key: value for key, value in optim_state.items()
-                          if key.startswith("state.")}
+    if step == 0:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=BY_NAME)
+        state = {"model": model_state,
+                 "optim": {key: value for key, value in optim_state.items()
+                           if key.startswith("state.")}}
     if extra_state:
         state["extra"] = extra_state
     return state
@@ -388,8 +390,13 @@ def model_differences(saved, now):
     missing = [name for name in saved if name not in now]
     reshaped = [f"{name} {saved[name]} -> {now[name]}" for name in now
                 if name in saved and saved[name] != now[name]]
+    return phrases_of(("added", added), ("missing", missing), ("reshaped", reshaped))
+
+
+def phrases_of(*groups):
+    """'WHAT A, B, C and N more' for each (what, names) group with names, the first three named."""
     phrases = []
-    for what, names in (("added", added), ("missing", missing), ("reshaped", reshaped)):
+    for what, names in groups:
         if names:
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             phrases.append(f"{what} {', '.join(names[:3])}{more}")
@@ -584,12 +591,9 @@ def state_difference(path, model, optimizer, extra_state):
     edit added, another optimizer's moments), as a phrase; empty where they are the same."""
     step, saved = on_rank0(lambda: (read_train_state(path)["step"], saved_state_keys(path)))
     now = state_keys(training_state(model, optimizer, step, extra_state))
-    phrases = []
-    for what, keys in (("the code has", [k for k in now if k not in saved]),
-                       ("the checkpoint has", [k for k in saved if k not in now])):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            phrases.append(f"{what} {', '.join(keys[:3])}{more}")
+    in_saved, in_now = set(saved), set(now)
+    phrases = phrases_of(("the code has", [key for key in now if key not in in_saved]),
+                         ("the checkpoint has", [key for key in saved if key not in in_now]))
     return "; ".join(phrases)
 
 
