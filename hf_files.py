@@ -301,42 +301,54 @@ def check_function(config, export=True):
     # torchrun gives each process one thread (OMP_NUM_THREADS=1); the other ranks wait for this
     # check, so it takes every core this process may run on.
     with every_core():
-        importing = None
-        if export and importlib.util.find_spec("transformers") is not None:
-            # transformers' import takes seconds of Python: it overlaps the build and the forward.
-            importing = threading.Thread(target=import_transformers, daemon=True)
-            importing.start()
         model, ids = check_model(config), check_ids(config)
-        with torch.no_grad():
-            logits = model(ids)[0].float()
-        found = fingerprint(logits)
-        if not export:
-            return False, "hf/ will not be written (hf_export='off')", found
         problems = export_problems(model)
-        if problems:
-            return False, (f"hf/ will not be written: the model is not GPT-2's architecture "
-                           f"({'; '.join(problems[:3])})"), found
-        if importlib.util.find_spec("transformers") is None:
-            return True, ("hf/: the tensors are GPT-2's by name and shape; whether transformers "
-                          "computes what the model does was not checked (transformers is not "
-                          "installed)"), found
-        # In memory where /dev/shm has room: the export is read back at once and deleted.
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        if shm and shutil.disk_usage(shm).free < 3 * size:
-            shm = None
-        with tempfile.TemporaryDirectory(dir=shm) as tmp:
-            export_hf(model, os.path.join(tmp, "hf"), durable=False)
-            importing.join()  # its lazy modules are not to be raced
-            theirs = transformers_logits(os.path.join(tmp, "hf"), ids)
-        difference = (logits - theirs).abs().max().item()
-        where = f"on {ids.size(1)} positions of seeded weights"
-        if difference > EXPORT_TOLERANCE:
-            return False, (f"hf/ will not be written: transformers' GPT-2 computes other logits "
-                           f"from the same weights (largest difference {difference:.3g} {where}; "
-                           f"model.py computes something GPT-2 does not)"), found
-        return True, (f"hf/: transformers' GPT-2 computes the model's logits (largest difference "
-                      f"{difference:.1e} {where})"), found
+        importing = None
+        if export and not problems and importlib.util.find_spec("transformers") is not None:
+            # transformers' import takes seconds of Python: it overlaps the forward. It is always
+            # waited for: a process that exits while a thread imports may abort.
+            importing = threading.Thread(target=import_transformers, name="import transformers",
+                                         daemon=True)
+            importing.start()
+        try:
+            return compare_with_transformers(model, ids, export, problems, importing)
+        finally:
+            if importing is not None:
+                importing.join()
+
+
+def compare_with_transformers(model, ids, export, problems, importing):
+    """check_function's answer for the check model on `ids`, once transformers is being imported
+    (`importing`, a thread) where it will be needed."""
+    with torch.no_grad():
+        logits = model(ids)[0].float()
+    found = fingerprint(logits)
+    if not export:
+        return False, "hf/ will not be written (hf_export='off')", found
+    if problems:
+        return False, (f"hf/ will not be written: the model is not GPT-2's architecture "
+                       f"({'; '.join(problems[:3])})"), found
+    if importing is None:
+        return True, ("hf/: the tensors are GPT-2's by name and shape; whether transformers "
+                      "computes what the model does was not checked (transformers is not "
+                      "installed)"), found
+    # In memory where /dev/shm has room: the export is read back at once and deleted.
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if shm and shutil.disk_usage(shm).free < 3 * size:
+        shm = None
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
+        export_hf(model, os.path.join(tmp, "hf"), durable=False)
+        importing.join()  # its lazy modules are not to be raced
+        theirs = transformers_logits(os.path.join(tmp, "hf"), ids)
+    difference = (logits - theirs).abs().max().item()
+    where = f"on {ids.size(1)} positions of seeded weights"
+    if difference > EXPORT_TOLERANCE:
+        return False, (f"hf/ will not be written: transformers' GPT-2 computes other logits from "
+                       f"the same weights (largest difference {difference:.3g} {where}; "
+                       f"model.py computes something GPT-2 does not)"), found
+    return True, (f"hf/: transformers' GPT-2 computes the model's logits (largest difference "
+                  f"{difference:.1e} {where})"), found
 
 
 @contextlib.contextmanager

@@ -540,3 +540,33 @@ def test_the_check_takes_every_core_under_torchrun_and_gives_them_back(monkeypat
     finally:
         torch.set_num_threads(before)
     assert seen == [len(os.sched_getaffinity(0))]
+
+
+def test_the_check_leaves_no_import_thread_running(monkeypatch):
+    """transformers is imported in a thread beside the check's forward; the check waits for it whatever it finds, since
+    a run that exits at once (a refused resume) while a thread imports may abort (SIGABRT, seen in CI)."""
+    import threading
+
+    def importing():
+        return [t for t in threading.enumerate() if t.name == "import transformers" and t.is_alive()]
+
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    started = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert hf_files.check_function(config)[0] and not importing()
+    assert started[0] == "import transformers"
+
+    class Gained(GPT):  # a tensor GPT-2 has no place for: nothing to compare, nothing imported
+        def __init__(self, config):
+            super().__init__(config)
+            self.gain = torch.nn.Parameter(torch.ones(config.n_embd))
+
+    monkeypatch.setattr(hf_files, "GPT", Gained)
+    started.clear()
+    assert not hf_files.check_function(config)[0] and started == [] and not importing()
